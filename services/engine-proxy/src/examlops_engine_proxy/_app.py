@@ -1,0 +1,55 @@
+"""Engine-proxy process: settings → route table (registry watch) → gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import start_http_server
+
+from examlops.engineproxy.v1 import engineproxy_pb2_grpc as pb_grpc
+from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
+from examlops.registry.v1 import registry_pb2 as reg
+from examlops.svc import (
+    RouteTable,
+    build_grpc_server,
+    configure_logging,
+    insecure_channel,
+    load_settings,
+    serve_until_signal,
+    watch_routes,
+)
+
+from ._service import EnginePool, EngineProxyServicer
+from ._settings import EngineProxySettings
+
+SERVICE = "examlops.engineproxy.v1.EngineProxy"
+
+
+async def run(settings: EngineProxySettings) -> None:
+    table = RouteTable.empty()
+    pool = EnginePool(settings)
+
+    def on_change(ep: reg.Endpoint, deleted: bool) -> None:
+        if deleted:
+            pool.forget(ep.name)
+
+    mg_channel = insecure_channel(settings.mediaguard_addr)
+    servicer = EngineProxyServicer(settings, table, pool, mg_grpc.MediaGuardStub(mg_channel))
+    server, port, health = build_grpc_server(
+        settings.host, settings.port, lambda s: pb_grpc.add_EngineProxyServicer_to_server(servicer, s), [SERVICE])
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host)
+    watcher = asyncio.create_task(watch_routes(settings.registry_addr, table, on_change))
+
+    async def stop() -> None:
+        watcher.cancel()
+        await pool.aclose()
+        await mg_channel.close()
+
+    await serve_until_signal(server, health, [SERVICE], "engine-proxy", port, on_stop=stop)
+
+
+def main() -> None:
+    settings = load_settings(EngineProxySettings)
+    configure_logging(settings.log_level, "engine-proxy")
+    asyncio.run(run(settings))

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from examlops.engineproxy.v1 import engineproxy_pb2 as pb
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request as an engine sees it."""
+
+    kind: int                      # pb.RequestKind
+    body: dict[str, Any]           # the OpenAI request; "model" already the served name
+    stream: bool
+    want_usage_chunk: bool         # the client asked for stream_options.include_usage
+    endpoint: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == pb.REQUEST_KIND_CHAT else "/v1/completions"
+
+
+class Engine(Protocol):
+    name: str
+
+    def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+        """Yield chunks; the last has final=True and the usage when the engine reported it."""
+        ...
+
+    async def aclose(self) -> None:
+        ...

@@ -1,0 +1,92 @@
+"""Echo engine: deterministic, dependency-free, streams and reports usage (dev and CI)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from examlops.engineproxy.v1 import engineproxy_pb2 as pb
+
+from ._base import Generation
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+class EchoEngine:
+    """Answers `echo: <last user text>`, one word per token, truncated to max_tokens."""
+
+    name = "echo"
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def _answer(self, gen: Generation) -> tuple[list[str], int, bool]:
+        body = gen.body
+        if gen.kind == pb.REQUEST_KIND_CHAT:
+            messages = body.get("messages") or []
+            prompt_words = sum(len(_words(_text_of(m.get("content")))) for m in messages if isinstance(m, dict))
+            last_user = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), {})
+            text = _text_of(last_user.get("content"))
+        else:
+            prompt = body.get("prompt", "")
+            text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+            prompt_words = len(_words(text))
+        words = ["echo:", *_words(text)]
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        truncated = isinstance(limit, int) and 0 < limit < len(words)
+        return (words[:limit] if truncated else words), prompt_words, truncated
+
+    async def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+        words, prompt_tokens, truncated = self._answer(gen)
+        rid = f"echo-{uuid.uuid4().hex}"
+        created = int(time.time())
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
+                 "total_tokens": prompt_tokens + len(words)}
+        usage_pb = pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(words))
+        chat = gen.kind == pb.REQUEST_KIND_CHAT
+        finish = "length" if truncated else "stop"
+        if not gen.stream:
+            text = " ".join(words)
+            choice: dict[str, Any] = (
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                 "logprobs": None}
+                if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+            obj = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                   "created": created, "model": self.model, "choices": [choice], "usage": usage}
+            yield pb.GenerateChunk(data=orjson.dumps(obj), final=True, usage=usage_pb)
+            return
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        for i, word in enumerate(words):
+            piece = word if i == 0 else " " + word
+            last = i == len(words) - 1
+            if chat:
+                delta: dict[str, Any] = {"content": piece}
+                if i == 0:
+                    delta["role"] = "assistant"
+                choice = {"index": 0, "delta": delta, "finish_reason": finish if last else None, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": piece, "finish_reason": finish if last else None, "logprobs": None}
+            yield pb.GenerateChunk(data=orjson.dumps(
+                {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [choice]}))
+        tail = b""
+        if gen.want_usage_chunk:
+            tail = orjson.dumps({"id": rid, "object": kind, "created": created, "model": self.model,
+                                 "choices": [], "usage": usage})
+        yield pb.GenerateChunk(data=tail, final=True, usage=usage_pb)
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,46 @@
+"""Typed engine errors; the servicer maps each onto a gRPC status with a reason."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class EngineError(Exception):
+    """An error the caller sees; `reason` is machine readable."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = "engine_error"
+
+    def __init__(self, message: str, param: str = "") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class AllBackendsFailed(EngineError):
+    """Every backend of the endpoint failed or was unreachable; never answered by a stand-in."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "AllBackendsFailed"
+
+    def __init__(self, endpoint: str, detail: str) -> None:
+        super().__init__(f"all backends failed for endpoint:{endpoint}: {detail}")
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request itself (4xx): the client's request must change."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "engine_rejected"
+
+
+class RouteNotFound(EngineError):
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "model_not_found"
+
+
+class MediaRejected(EngineError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, reason: str, message: str, param: str) -> None:
+        super().__init__(message, param)
+        self.reason = reason

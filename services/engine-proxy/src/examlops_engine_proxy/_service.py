@@ -1,0 +1,143 @@
+"""EngineProxy gRPC servicer: route → (media guard) → engine, streamed back."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+from prometheus_client import Counter
+
+from examlops.engineproxy.v1 import engineproxy_pb2 as pb
+from examlops.engineproxy.v1 import engineproxy_pb2_grpc as pb_grpc
+from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
+from examlops.registry.v1 import registry_pb2 as reg
+from examlops.svc import RouteTable, abort, state_name, unroutable_reason
+
+from ._engines import EchoEngine, Engine, Generation, VllmServerEngine
+from ._errors import EngineError, RouteNotFound
+from ._media import guard_messages, has_media
+from ._settings import EngineProxySettings
+
+log = logging.getLogger(__name__)
+
+MEDIA_DROPPED = Counter("examlops_engine_media_parts_dropped_total",
+                        "Media parts removed from requests to text-only endpoints.", ["endpoint"])
+GENERATIONS = Counter("examlops_engine_generations_total", "Generate calls by endpoint and outcome.",
+                      ["endpoint", "outcome"])
+
+
+class EnginePool:
+    """One engine instance per endpoint, rebuilt when its engine or address changes."""
+
+    def __init__(self, settings: EngineProxySettings) -> None:
+        self.settings = settings
+        self._engines: dict[str, tuple[tuple[str, str, str], Engine]] = {}
+        self._retired: list[Engine] = []
+
+    def engine_for(self, ep: reg.Endpoint) -> Engine:
+        key = (ep.engine, ep.base_url, ep.served_model_name)
+        current = self._engines.get(ep.name)
+        if current is not None and current[0] == key:
+            return current[1]
+        engine = self._build(ep)
+        if current is not None:
+            self._retired.append(current[1])
+        self._engines[ep.name] = (key, engine)
+        return engine
+
+    def _build(self, ep: reg.Endpoint) -> Engine:
+        if ep.engine == "echo":
+            return EchoEngine(ep.served_model_name or ep.name)
+        s = self.settings
+        api_key = _api_key(ep)
+        return VllmServerEngine(ep.name, ep.base_url, api_key=api_key, connect_timeout_s=s.connect_timeout_s,
+                                read_timeout_s=s.read_timeout_s, max_connections=s.max_connections_per_endpoint)
+
+    def forget(self, name: str) -> None:
+        current = self._engines.pop(name, None)
+        if current is not None:
+            self._retired.append(current[1])
+
+    async def aclose(self) -> None:
+        for _key, engine in self._engines.values():
+            await engine.aclose()
+        for engine in self._retired:
+            await engine.aclose()
+
+
+def _api_key(ep: reg.Endpoint) -> str:
+    """The server's API key, from the environment variable the block's api_key_secret_ref names."""
+    if not ep.engine_block_json:
+        return ""
+    ref = orjson.loads(ep.engine_block_json).get("api_key_secret_ref")
+    if not ref:
+        return ""
+    value = os.environ.get(str(ref).removeprefix("env:"), "")
+    if not value:
+        warnings.warn(f"endpoint {ep.name!r}: secret {ref!r} is not set in engine-proxy's environment; "
+                      "calling the server without a key", RuntimeWarning, stacklevel=2)
+    return value
+
+
+class EngineProxyServicer(pb_grpc.EngineProxyServicer):
+    def __init__(self, settings: EngineProxySettings, table: RouteTable, pool: EnginePool,
+                 mediaguard: mg_grpc.MediaGuardStub) -> None:
+        self.settings = settings
+        self.table = table
+        self.pool = pool
+        self.mediaguard = mediaguard
+
+    def resolve(self, name: str) -> reg.Endpoint:
+        ep = self.table.get(name)
+        if ep is None:
+            known = ", ".join(sorted(e.name for e in self.table.routable())) or "none"
+            raise RouteNotFound(f"no endpoint named {name!r} (routable: {known})", "model")
+        reason = unroutable_reason(ep)
+        if reason is not None:
+            raise RouteNotFound(f"{reason}; it is not routed", "model")
+        return ep
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        outcome = "error"
+        try:
+            ep = self.resolve(request.endpoint)
+            try:
+                body: dict[str, Any] = orjson.loads(request.body_json)
+            except orjson.JSONDecodeError:
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                            "request body is not JSON", "")
+            dropped = 0
+            if request.kind == pb.REQUEST_KIND_CHAT and has_media(body.get("messages")):
+                body["messages"], dropped = await guard_messages(
+                    self.mediaguard, ep.name, body["messages"], ep.engine_block_json)
+                if dropped:
+                    MEDIA_DROPPED.labels(ep.name).inc(dropped)
+                    log.warning("endpoint %s is text-only: dropped %d media part(s)", ep.name, dropped)
+            body["model"] = ep.served_model_name or ep.name
+            stream = bool(body.get("stream"))
+            opts = body.get("stream_options")
+            gen = Generation(kind=request.kind, body=body, stream=stream, endpoint=ep.name,
+                             want_usage_chunk=stream and isinstance(opts, dict) and bool(opts.get("include_usage")))
+            first = True
+            async for chunk in self.pool.engine_for(ep).generate(gen):
+                if first and dropped:
+                    chunk.media_parts_dropped = dropped
+                first = False
+                yield chunk
+            outcome = "ok"
+        except EngineError as exc:
+            outcome = exc.reason
+            await abort(context, exc.code, exc.reason, str(exc), exc.param)
+        finally:
+            GENERATIONS.labels(request.endpoint, outcome).inc()
+
+    async def ListRoutes(self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext) -> pb.ListRoutesResponse:
+        return pb.ListRoutesResponse(routes=[
+            pb.Route(name=ep.name, engine=ep.engine, base_url=ep.base_url, state=state_name(ep.state),
+                     routable=unroutable_reason(ep) is None)
+            for ep in sorted(self.table.endpoints.values(), key=lambda e: e.name)])

@@ -1,0 +1,1 @@
+"""Launcher service: substrate adapters behind one interface (plan, start, status, stop)."""

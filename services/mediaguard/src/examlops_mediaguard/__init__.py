@@ -1,0 +1,1 @@
+"""Mediaguard service: validates media parts before any engine call; never fetches media."""

@@ -1,0 +1,64 @@
+"""Registry process: settings → Redis → gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import redis.asyncio as redis
+from prometheus_client import start_http_server
+
+from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
+from examlops.svc import build_grpc_server, configure_logging, load_settings, serve_until_signal
+
+from ._service import RegistryServicer
+from ._settings import RegistrySettings
+from ._store import RegistryStore
+
+log = logging.getLogger(__name__)
+SERVICE = "examlops.registry.v1.Registry"
+
+
+async def check_durability(client: redis.Redis, require_aof: bool) -> None:
+    """Registrations are acknowledged only once Redis has them in an fsynced AOF."""
+    try:
+        conf = await client.config_get("append*")
+    except redis.ResponseError:
+        log.warning("cannot read Redis config; make sure appendonly yes, appendfsync always")
+        return
+    aof, fsync = conf.get("appendonly"), conf.get("appendfsync")
+    if aof != "yes":
+        msg = ("Redis runs with appendonly=no: acknowledged registrations would be lost on a "
+               "restart. Start Redis with --appendonly yes --appendfsync always")
+        if require_aof:
+            raise SystemExit(msg + " (or set EXAMLOPS_REQUIRE_AOF=false for a throwaway store)")
+        log.warning(msg)
+    elif fsync != "always":
+        log.warning("Redis appendfsync=%s: a power loss may drop the last second of changes", fsync)
+
+
+def build_server(settings: RegistrySettings, client: redis.Redis) -> tuple[grpc.aio.Server, int, object]:
+    servicer = RegistryServicer(RegistryStore(client))
+    return build_grpc_server(
+        settings.host, settings.port,
+        lambda s: pb_grpc.add_RegistryServicer_to_server(servicer, s), [SERVICE])
+
+
+async def run(settings: RegistrySettings) -> None:
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        await client.ping()
+    except redis.ConnectionError as exc:
+        raise SystemExit(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}") from None
+    await check_durability(client, settings.require_aof)
+    server, port, health = build_server(settings, client)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host)
+    await serve_until_signal(server, health, [SERVICE], "registry", port, on_stop=client.aclose)
+
+
+def main() -> None:
+    settings = load_settings(RegistrySettings)
+    configure_logging(settings.log_level, "registry")
+    asyncio.run(run(settings))
