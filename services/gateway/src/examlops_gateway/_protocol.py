@@ -19,7 +19,8 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: "stream": "yes" is an error, not True (OpenAI refuses it too)
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -2,7 +2,7 @@
 
 Every code starts with ``media_`` and names the rule that was broken, not the guess about intent:
 
-=================================  ==================================================================
+=================================  =================================================================
 ``media_part_malformed``           A message or content part has the wrong shape: no string
                                    ``type``, a URL that is not a string, a ``uuid`` field, or a
                                    media field smuggled into a part of another type.
@@ -24,9 +24,9 @@ Every code starts with ``media_`` and names the rule that was broken, not the gu
 ``media_ip_literal_not_allowed``   The host is an IP address, in any spelling.
 ``media_port_not_allowed``         A port other than the scheme's default.
 ``media_domain_not_allowed``       The host is not an allowed domain nor a subdomain of one.
-``media_path_not_allowed``         A file:// path outside the local root, the root itself, a missing
-                                   or non-regular file, or a percent-encoded traversal.
-=================================  ==================================================================
+``media_path_not_allowed``         A file:// path outside the local root, the root itself, a
+                                   missing or non-regular file, or a percent-encoded traversal.
+=================================  =================================================================
 """
 
 from __future__ import annotations

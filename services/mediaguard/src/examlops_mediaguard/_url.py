@@ -102,7 +102,7 @@ def check_remote_url(url: str, scheme: str, domains: tuple[str, ...]) -> str:
         raise PartRefused(DOMAIN_NOT_ALLOWED, f"host {host!r} is not an allowed media domain")
     if port is not None and port != _DEFAULT_PORT[scheme]:
         raise PartRefused(PORT_NOT_ALLOWED, f"port {port!r} is not the default {scheme} port")
-    path, question, query = tail.partition("?")
+    path, _, query = tail.partition("?")
     if not _PATH.match(path):
         raise PartRefused(URL_MALFORMED, f"character not allowed in URL path: {shorten(path)}")
     if not _QUERY.match(query):

@@ -9,6 +9,9 @@ Protocol: one JSON document per stdin line, one JSON answer per stdout line, unt
   ``{"ok": true, "namespace": {...}}`` or ``{"ok": false, "error": "..."}``. An argv counts as
   parsed when `vllm serve` itself would get past its CLI stage: the same root parser and
   `serve` sub-parser, the sub-command's `validate` step, and `AsyncEngineArgs.from_cli_args`.
+  Values the parser takes as free text are then checked against the tables vLLM checks them
+  against when it builds its config (the quantization method, the speculative method, the
+  multimodal config), so a name vLLM would refuse at start-up is refused here too.
 * ``{"describe": ["dest", ...]}`` answers facts about the parser: option strings and choices of
   each named destination, and vLLM's accepted quantization and speculative-decoding methods.
 
@@ -58,6 +61,27 @@ class _Parser:
         subparsers = self._root.add_subparsers(required=False, dest="subparser")
         self._command = self._serve.ServeSubcommand()
         self.serve_parser = self._command.subparser_init(subparsers)
+        quant = importlib.import_module("vllm.model_executor.layers.quantization")
+        self.quantization_methods: list[str] = list(quant.QUANTIZATION_METHODS)
+        self.deprecated_quantization_methods: list[str] = list(
+            getattr(quant, "DEPRECATED_QUANTIZATION_METHODS", [])
+        )
+        spec = importlib.import_module("vllm.config.speculative")
+        self.speculative_methods = _literal_values(spec.SpeculativeMethod)
+        self._mm_config = importlib.import_module("vllm.config.multimodal").MultiModalConfig
+
+    def _check_config_values(self, args: argparse.Namespace) -> None:
+        """Refuse what vLLM refuses when it turns the namespace into its config objects."""
+        if args.quantization is not None and args.quantization not in self.quantization_methods:
+            raise ValueError(f"unknown quantization method {args.quantization!r}")
+        method = (args.speculative_config or {}).get("method")
+        if method is not None and method not in self.speculative_methods:
+            raise ValueError(f"unknown speculative decoding method {method!r}")
+        if args.limit_mm_per_prompt:
+            self._mm_config(
+                limit_per_prompt=args.limit_mm_per_prompt,
+                mm_processor_cache_gb=args.mm_processor_cache_gb,
+            )
 
     def parse(self, argv: list[str]) -> dict[str, Any]:
         if not argv or os.path.basename(argv[0]) != "vllm" or argv[1:2] != ["serve"]:
@@ -71,6 +95,7 @@ class _Parser:
                 if getattr(args, "model_tag", None) is not None:
                     args.model = args.model_tag
                 self._engine_args.from_cli_args(args)
+                self._check_config_values(args)
         except SystemExit as exc:
             message = errors.getvalue().strip().splitlines()
             return {"ok": False, "error": message[-1] if message else f"exit {exc.code}"}
@@ -87,15 +112,11 @@ class _Parser:
                     "choices": None if action.choices is None else list(action.choices),
                     "nargs": _jsonable(action.nargs),
                 }
-        quant = importlib.import_module("vllm.model_executor.layers.quantization")
-        spec = importlib.import_module("vllm.config.speculative")
         return {
             "actions": actions,
-            "quantization_methods": list(quant.QUANTIZATION_METHODS),
-            "deprecated_quantization_methods": list(
-                getattr(quant, "DEPRECATED_QUANTIZATION_METHODS", [])
-            ),
-            "speculative_methods": _literal_values(spec.SpeculativeMethod),
+            "quantization_methods": self.quantization_methods,
+            "deprecated_quantization_methods": self.deprecated_quantization_methods,
+            "speculative_methods": self.speculative_methods,
             "vllm_version": importlib.import_module("vllm").__version__,
         }
 

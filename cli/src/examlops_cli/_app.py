@@ -1,0 +1,31 @@
+"""The `exa` root command."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from . import audit, dev, gateway, serve_llm
+from ._output import Ctx
+
+app = typer.Typer(
+    help="ExaMLOps serving plane: start vLLM endpoints anywhere, route them through one gateway.\n\n"
+         "Every command takes --json for machine-readable output.",
+    no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+serve = typer.Typer(help="Serving endpoints.", no_args_is_help=True)
+serve.add_typer(serve_llm.app, name="llm")
+app.add_typer(serve, name="serve")
+app.add_typer(gateway.app, name="gateway")
+app.add_typer(audit.app, name="audit")
+app.add_typer(dev.app, name="dev")
+
+
+def main() -> None:
+    """`--json` is accepted anywhere on the line (`exa --json serve llm list` or `… list --json`)."""
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    if "--json" in argv[:cut]:
+        Ctx.json = True
+        argv = [a for i, a in enumerate(argv) if not (a == "--json" and i < cut)]
+    app(args=argv, prog_name="exa")

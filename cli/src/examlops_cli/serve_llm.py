@@ -1,0 +1,174 @@
+"""`exa serve llm …`: start, list, health, status, chat, stop."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import grpc
+import orjson
+import typer
+
+from examlops.engineproxy.v1 import engineproxy_pb2 as ep_pb
+from examlops.launcher.v1 import launcher_pb2 as la
+from examlops.registry.v1 import registry_pb2 as reg
+from examlops.svc import error_reason, parse_state, state_name
+
+from ._chat import build_messages
+from ._output import Ctx, console, emit_json, endpoint_dict, fail, message_dict, table
+from ._rpc import call, rpc_fail, stub
+
+app = typer.Typer(help="Serve LLMs and VLMs with vLLM: one command surface on every substrate.",
+                  no_args_is_help=True)
+
+Model = Annotated[str, typer.Argument(help="Endpoint name (also its gateway route).")]
+
+
+@app.command()
+def start(
+    model: Model,
+    base_url: Annotated[str, typer.Option(help="Where the server listens (external launcher).")] = "",
+    hf_model: Annotated[str, typer.Option(help="Weights to serve, e.g. Qwen/Qwen3-VL-8B-Instruct.")] = "",
+    launcher: Annotated[str, typer.Option(help="external | compose | slurm | flux | kserve.")] = "external",
+    engine: Annotated[str, typer.Option(help="Engine: vllm, vllm-server, vllm-inproc, sglang, echo.")] = "",
+    served_model_name: Annotated[str, typer.Option(help="Model name the server expects.")] = "",
+    project: Annotated[str, typer.Option(help="Project the endpoint is attributed to.")] = "",
+    replace: Annotated[bool, typer.Option("--replace", help="Replace a STARTING or READY endpoint.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would happen; change nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Start (or, with the external launcher, register) an endpoint."""
+    block: dict[str, Any] = {}
+    if engine:
+        block["engine"] = engine
+    if hf_model:
+        block["hf_model_id"] = hf_model
+    if base_url:
+        block["base_url"] = base_url
+    if served_model_name:
+        block["served_model_name"] = served_model_name
+    req = la.StartRequest(name=model, launcher=launcher, base_url=base_url, hf_model=hf_model,
+                          engine_block_json=orjson.dumps(block).decode() if block else "",
+                          project=project, actor=Ctx.actor(), replace=replace)
+    plan = call("launcher", "Plan", req)
+    if dry_run:
+        emit_json(message_dict(plan)) if Ctx.json else console.print(plan.summary)
+        return
+    if launcher != "external" and not yes and not typer.confirm(f"{plan.summary}\nProceed?"):
+        fail("cancelled")
+    resp = call("launcher", "Start", req)
+    if Ctx.json:
+        emit_json(endpoint_dict(resp.endpoint))
+        return
+    ep = resp.endpoint
+    console.print(f"endpoint [bold]{ep.name}[/] registered: {state_name(ep.state)} "
+                  f"{ep.base_url or '(no address)'} via {ep.launcher}"
+                  + (f" — {ep.state_reason}" if ep.state_reason else ""))
+
+
+@app.command("list")
+def list_(
+    project: Annotated[str, typer.Option(help="Only this project.")] = "",
+    state: Annotated[list[str] | None, typer.Option(help="Only these states (repeatable).")] = None,
+) -> None:
+    """Registered endpoints."""
+    try:
+        states = [parse_state(s) for s in state or []]
+    except ValueError as exc:
+        fail(str(exc))
+    resp = call("registry", "ListEndpoints", reg.ListEndpointsRequest(project=project, states=states))
+    if Ctx.json:
+        emit_json([endpoint_dict(e) for e in resp.endpoints])
+        return
+    table("Endpoints", ["name", "state", "engine", "launcher", "base_url", "project", "job"],
+          [[e.name, state_name(e.state), e.engine, e.launcher, e.base_url, e.project, e.job_id]
+           for e in resp.endpoints])
+
+
+@app.command()
+def health(model: Model) -> None:
+    """Probe the server and reconcile the recorded state; exit 1 when not ready (a CI gate)."""
+    resp = call("launcher", "Health", la.HealthRequest(name=model, actor=Ctx.actor()))
+    if Ctx.json:
+        emit_json({"ready": resp.ready, "detail": resp.detail, "endpoint": endpoint_dict(resp.endpoint)})
+    else:
+        mark = "[green]ready[/]" if resp.ready else "[red]not ready[/]"
+        console.print(f"{model}: {mark} ({state_name(resp.endpoint.state)}) — {resp.detail}")
+    raise SystemExit(0 if resp.ready else 1)
+
+
+@app.command()
+def status(model: Model) -> None:
+    """Registry record, the substrate's view and live engine metrics."""
+    resp = call("launcher", "Status", la.StatusRequest(name=model))
+    if Ctx.json:
+        emit_json({"endpoint": endpoint_dict(resp.endpoint), "substrate": dict(resp.substrate),
+                   "metrics": dict(resp.metrics)})
+        return
+    ep = endpoint_dict(resp.endpoint)
+    table(f"Endpoint {model}", ["field", "value"], [[k, v] for k, v in ep.items() if k != "engine_block"])
+    if resp.substrate:
+        table("Substrate", ["field", "value"], sorted(resp.substrate.items()))
+    if resp.metrics:
+        table("Engine metrics", ["metric", "value"], sorted(resp.metrics.items()))
+
+
+@app.command()
+def stop(
+    model: Model,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Stop the endpoint (cancel its job or container) and mark it STOPPED."""
+    del yes
+    resp = call("launcher", "Stop", la.StopRequest(name=model, actor=Ctx.actor()))
+    if Ctx.json:
+        emit_json(endpoint_dict(resp.endpoint))
+    else:
+        console.print(f"endpoint [bold]{model}[/] {state_name(resp.endpoint.state)}")
+
+
+@app.command()
+def chat(
+    model: Model,
+    message: Annotated[str, typer.Option("--message", "-m", help="The user message.")],
+    image: Annotated[list[str] | None, typer.Option(help="Image path or URL (repeatable); local files are inlined as data: URLs.")] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they arrive.")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = 256,
+) -> None:
+    """Chat with the endpoint directly through engine-proxy (no key, no budget; media guard applies)."""
+    try:
+        messages = build_messages(message, image or [])
+    except ValueError as exc:
+        fail(str(exc))
+    body = {"model": model, "messages": messages, "stream": stream, "max_tokens": max_tokens}
+    req = ep_pb.GenerateRequest(endpoint=model, kind=ep_pb.REQUEST_KIND_CHAT, body_json=orjson.dumps(body))
+    text, usage, dropped = [], None, 0
+    try:
+        for chunk in stub("engine-proxy").Generate(req, timeout=Ctx.settings().rpc_timeout_s * 40):
+            dropped = dropped or chunk.media_parts_dropped
+            if chunk.HasField("usage"):
+                usage = chunk.usage
+            if not chunk.data:
+                continue
+            obj = orjson.loads(chunk.data)
+            for choice in obj.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") if stream else (choice.get("message") or {}).get("content")
+                if piece:
+                    text.append(piece)
+                    if stream and not Ctx.json:
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+    except grpc.RpcError as exc:
+        reason, param = error_reason(exc)  # type: ignore[arg-type]
+        if reason and reason.startswith("media_"):
+            fail(f"{reason}: {exc.details()} (at {param})")  # type: ignore[attr-defined]
+        rpc_fail("engine-proxy", exc)
+    if dropped:
+        console.print(f"[yellow]warning:[/] {model} is text-only: {dropped} media part(s) dropped", style="dim")
+    if Ctx.json:
+        emit_json({"content": "".join(text), "usage": message_dict(usage) if usage else None,
+                   "media_parts_dropped": dropped})
+    elif stream:
+        sys.stdout.write("\n")
+    else:
+        console.print("".join(text), highlight=False)

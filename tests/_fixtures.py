@@ -1,0 +1,125 @@
+"""Real parts for the tests: a Redis server and each service as its own process on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import redis
+
+from examlops.devstack import SERVICES, Proc, StackPorts, free_port, service_env, spawn, wait_grpc, wait_http
+from examlops.devstack._stack import service_argv
+from examlops.registry.v1 import registry_pb2 as reg
+from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
+
+
+@dataclass
+class RedisServer:
+    port: int
+    dir: Path
+    proc: Proc
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True)
+
+
+def start_redis(workdir: Path, port: int | None = None) -> RedisServer:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed: run `make test` (it installs Debian's redis-server)")
+    port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    proc = spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+                           "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+                           "--daemonize", "no"], {}, workdir / "redis.log")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or not proc.alive():
+                raise RuntimeError(f"redis did not start:\n{proc.log_tail()}") from None
+            time.sleep(0.02)
+    return RedisServer(port, workdir, proc)
+
+
+@dataclass
+class Stack:
+    ports: StackPorts
+    workdir: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gateway_url(self) -> str:
+        return self.ports.gateway_url
+
+    def env(self, name: str = "cli") -> dict[str, str]:
+        return service_env(name, self.ports, self.extra_env)
+
+    def start(self, name: str) -> Proc:
+        proc = spawn(name, service_argv(name), self.env(name), self.workdir / f"{name}.log")
+        self.procs[name] = proc
+        if name == "gateway":
+            wait_http(self.gateway_url + "/healthz", 30, proc)
+        else:
+            wait_grpc(self.ports.addr(name), 30, proc)
+        return proc
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        self.procs.pop(name).stop(sig)
+
+    def registry(self) -> reg_grpc.RegistryStub:
+        return reg_grpc.RegistryStub(grpc.insecure_channel(self.ports.addr("registry")))
+
+    def register(self, name: str, **fields: object) -> reg.Endpoint:
+        fields.setdefault("state", reg.ENDPOINT_STATE_READY)
+        ep = reg.Endpoint(name=name, **fields)  # type: ignore[arg-type]
+        out: reg.Endpoint = self.registry().RegisterEndpoint(
+            reg.RegisterEndpointRequest(endpoint=ep, actor="tests", replace=True), timeout=10)
+        return out
+
+    def cli(self, *args: str, check: bool = False, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        exa = Path(sys.executable).parent / "exa"
+        assert exa.exists(), f"the exa CLI is not installed beside {sys.executable}"
+
+        return subprocess.run([str(exa), *args], capture_output=True, text=True, check=check, timeout=timeout,
+                              env={**os.environ, **self.env(), "COLUMNS": "200"})
+
+
+@contextlib.contextmanager
+def running_stack(workdir: Path, redis_server: RedisServer, extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
+    ports = StackPorts(redis=redis_server.port, services={n: free_port() for n in SERVICES})
+    stack = Stack(ports, workdir, extra_env=extra_env or {})
+    try:
+        for name in SERVICES:
+            stack.start(name)
+        yield stack
+    finally:
+        for proc in reversed(list(stack.procs.values())):
+            proc.stop()
+
+
+def wait_until(check: object, timeout_s: float = 5.0, interval_s: float = 0.02) -> float:
+    """Poll `check()` until truthy; returns the seconds it took (AssertionError on timeout)."""
+    start = time.monotonic()
+    while True:
+        if check():  # type: ignore[operator]
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        time.sleep(interval_s)
