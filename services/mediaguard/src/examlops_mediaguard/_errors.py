@@ -98,5 +98,5 @@ class PartRefused(Exception):
 
 def shorten(value: str, limit: int = 80) -> str:
     """A safe, bounded rendering of caller input for an error message (escapes control chars)."""
-    text = value if len(value) <= limit else value[:limit] + "..."
-    return repr(text)
+    text = repr(value[:limit])
+    return text if len(text) <= limit and len(value) <= limit else text[:limit] + "..."

@@ -92,7 +92,7 @@ def load_model_file(path: str | os.PathLike[str], *, name: str | None = None) ->
     file = Path(path)
     source = str(file)
     try:
-        data = yaml.load(file.read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506
+        data = yaml.load(file.read_text(encoding="utf-8"), Loader=_StrictLoader)
     except yaml.YAMLError as exc:
         raise EngineBlockError.single(
             "", source, f"is not valid YAML: {exc}".replace("\n", " "), ("a YAML mapping",),

@@ -96,7 +96,7 @@ class SpeculativeDecoding(BaseModel):
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             if self.method != "ngram" and getattr(self, name) is not None:
                 issues.append(EngineBlockIssue(
-                    name, getattr(self, name), f"only method 'ngram' looks prompts up", ("null",),
+                    name, getattr(self, name), "only method 'ngram' looks prompts up", ("null",),
                 ))
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is not None and high is not None and low > high:

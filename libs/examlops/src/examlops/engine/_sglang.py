@@ -73,12 +73,13 @@ def _speculative_args(block: EngineBlock) -> list[str]:
         return []
     args = ["--speculative-algorithm", SGLANG_SPECULATIVE_ALGORITHMS[spec.method]]
     if spec.method == "ngram":
-        return args + ["--speculative-num-draft-tokens", str(spec.num_speculative_tokens)]
+        return [*args, "--speculative-num-draft-tokens", str(spec.num_speculative_tokens)]
     if spec.draft_model is not None:
         args += ["--speculative-draft-model-path", spec.draft_model]
     # A chain of k drafted tokens: k steps, one candidate each, k + 1 tokens verified.
     steps = spec.num_speculative_tokens
-    return args + [
+    return [
+        *args,
         "--speculative-num-steps", str(steps),
         "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", str(steps + 1),

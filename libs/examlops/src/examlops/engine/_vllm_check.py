@@ -89,7 +89,7 @@ class VllmArgvChecker:
     def start(self) -> None:
         if self._proc is not None:
             return
-        self._stderr = tempfile.TemporaryFile()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("HF_HUB_OFFLINE", None)  # offline mode makes EngineArgs resolve model paths
         self._proc = subprocess.Popen(

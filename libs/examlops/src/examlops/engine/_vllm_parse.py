@@ -13,7 +13,8 @@ Protocol: one JSON document per stdin line, one JSON answer per stdout line, unt
   against when it builds its config (the quantization method, the speculative method, the
   multimodal config), so a name vLLM would refuse at start-up is refused here too.
 * ``{"describe": ["dest", ...]}`` answers facts about the parser: option strings and choices of
-  each named destination, and vLLM's accepted quantization and speculative-decoding methods.
+  each named destination, every option string of `vllm serve`, and vLLM's accepted
+  quantization and speculative-decoding methods.
 
 Anything vLLM prints while importing or parsing goes to stderr, so stdout carries only answers.
 """
@@ -112,8 +113,10 @@ class _Parser:
                     "choices": None if action.choices is None else list(action.choices),
                     "nargs": _jsonable(action.nargs),
                 }
+        every_option = sorted(o for a in self.serve_parser._actions for o in a.option_strings)
         return {
             "actions": actions,
+            "option_strings": every_option,
             "quantization_methods": self.quantization_methods,
             "deprecated_quantization_methods": self.deprecated_quantization_methods,
             "speculative_methods": self.speculative_methods,

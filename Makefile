@@ -1,0 +1,73 @@
+# One entry point per chore. `make up` brings the stack up; `make test` runs every test tier.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+.DEFAULT_GOAL := help
+ENGINE ?= vllm
+VENV := .venv
+PY := $(VENV)/bin/python
+PACKAGES := libs/examlops services/registry services/mediaguard services/engine-proxy services/launcher services/gateway cli
+STAMP := $(VENV)/.installed
+export EXAMLOPS_USECASE_DIR ?= $(CURDIR)/usecases
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help up down status logs test test-fast lint protos bench venv system-deps vllm-env clean
+
+help: ## Show the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): $(foreach p,$(PACKAGES),$(p)/pyproject.toml) requirements-dev.txt
+	@echo "==> Installing the services, the CLI and the test tools into $(VENV)"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install --progress-bar on -q $(foreach p,$(PACKAGES),-e $(p)) -r requirements-dev.txt \
+	  2> >(grep -v '^WARNING: Location' >&2)
+	@touch $@
+
+venv: $(STAMP) ## Create the virtual environment of the services, CLI and tests
+
+system-deps: ## Install Redis (Debian package) when it is missing
+	@command -v redis-server >/dev/null || { \
+	  echo "==> Installing redis-server (Debian package)"; \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; fi; }
+
+vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 model folder
+	@bash scripts/vllm-env.sh >/dev/null
+
+up: venv system-deps ## Start Redis, the five services and a real CPU vLLM serving SmolLM2 (ENGINE=echo: no vLLM)
+	@bash scripts/link-exa.sh $(CURDIR)/$(VENV)/bin/exa
+ifeq ($(ENGINE),echo)
+	@$(PY) -m examlops.devstack up --engine echo
+else
+	@eval "$$(bash scripts/vllm-env.sh)" && $(PY) -m examlops.devstack up --engine vllm \
+	  --vllm-venv "$$VLLM_VENV" --model-dir "$$SMOL_MODEL_DIR"
+endif
+
+down: ## Stop exactly what `make up` started
+	@test -x $(PY) && $(PY) -m examlops.devstack down || true
+
+status: ## Show each part of the local stack
+	@$(PY) -m examlops.devstack status
+
+logs: ## Follow the logs of the local stack
+	@tail -n 20 -F .run/logs/*.log
+
+test: venv system-deps vllm-env ## Run every test tier (installs what it needs; starts its own servers)
+	@eval "$$(bash scripts/vllm-env.sh)" && export EXAMLOPS_VLLM_VENV="$$VLLM_VENV" EXAMLOPS_SMOL_MODEL_DIR="$$SMOL_MODEL_DIR" && \
+	  $(PY) scripts/gen-protos.py --check && $(PY) -m pytest -q
+
+test-fast: venv system-deps ## Tests without the real-vLLM tier
+	@$(PY) -m pytest -q -m "not vllm"
+
+lint: venv ## ruff and mypy --strict
+	@$(VENV)/bin/ruff check .
+	@$(VENV)/bin/mypy libs/examlops/src services/*/src cli/src
+
+protos: venv ## Regenerate the gRPC stubs from protos/
+	@$(PY) scripts/gen-protos.py
+
+bench: venv system-deps ## Gateway overhead against the same backend called directly
+	@$(PY) bench/bench_gateway.py
+
+clean: down ## Remove the local stack state and the virtual environment
+	rm -rf .run $(VENV)

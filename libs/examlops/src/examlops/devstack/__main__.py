@@ -1,0 +1,36 @@
+"""python -m examlops.devstack up|down|status — see _up.py."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ._stack import StackPorts
+from ._up import RunDir, down, status, up
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m examlops.devstack",
+                                     description="Run the ExaMLOps stack as local background processes.")
+    parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="State, pid files and logs.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_up = sub.add_parser("up", help="Start what is down, register the default model, check an answer.")
+    p_up.add_argument("--engine", choices=["vllm", "echo"], default="vllm")
+    p_up.add_argument("--vllm-venv", type=Path)
+    p_up.add_argument("--model-dir", type=Path)
+    sub.add_parser("down", help="Stop exactly what `up` started.")
+    p_st = sub.add_parser("status", help="Each part: pid, health, address.")
+    p_st.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    run, ports = RunDir(args.run_dir.resolve()), StackPorts()
+    if args.cmd == "up":
+        up(run, ports, args.engine, args.vllm_venv, args.model_dir)
+    elif args.cmd == "down":
+        down(run)
+    else:
+        return status(run, ports, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
