@@ -15,6 +15,7 @@ from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import error_reason, parse_state, state_name
 
 from ._chat import build_messages
+from ._pack import check_block, pack_block
 from ._output import Ctx, console, emit_json, endpoint_dict, fail, message_dict, table
 from ._rpc import call, rpc_fail, stub
 
@@ -37,16 +38,18 @@ def start(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would happen; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Start (or, with the external launcher, register) an endpoint."""
-    block: dict[str, Any] = {}
-    if engine:
-        block["engine"] = engine
-    if hf_model:
-        block["hf_model_id"] = hf_model
-    if base_url:
-        block["base_url"] = base_url
-    if served_model_name:
-        block["served_model_name"] = served_model_name
+    """Start (or, with the external launcher, register) an endpoint.
+
+    The engine block comes from the use-case pack when it has the model
+    ($EXAMLOPS_USECASE_DIR, or ./usecases); the flags given here override it.
+    """
+    block = pack_block(model) or {}
+    overrides = {"engine": engine, "hf_model_id": hf_model, "base_url": base_url,
+                 "served_model_name": served_model_name}
+    block.update({k: v for k, v in overrides.items() if v})
+    if block:
+        check_block(block)
+    base_url = base_url or str(block.get("base_url") or "")
     req = la.StartRequest(name=model, launcher=launcher, base_url=base_url, hf_model=hf_model,
                           engine_block_json=orjson.dumps(block).decode() if block else "",
                           project=project, actor=Ctx.actor(), replace=replace)

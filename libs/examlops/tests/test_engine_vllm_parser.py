@@ -32,6 +32,7 @@ from examlops.engine import (
     find_model,
     parse_engine_block,
     render_vllm_command,
+    validate_pack_dir,
     vllm_speculative_config,
 )
 
@@ -194,6 +195,7 @@ def test_vllm_parses_every_valid_block_into_the_blocks_values(
     vllm: VllmArgvChecker, data: dict[str, Any], model: str | None, host: str | None, port: int | None
 ) -> None:
     block = parse_engine_block(data)
+    assert parse_engine_block(block.model_dump(mode="json")) == block  # the registry's round trip
     secret = "key-that-must-not-reach-argv"
     command = render_vllm_command(block, model=model, host=host, port=port,
                                   environ={"EXAMLOPS_TEST_KEY": secret})
@@ -211,6 +213,17 @@ def test_the_sample_pack_renders_argvs_vllm_accepts(vllm: VllmArgvChecker) -> No
     commands.append(render_vllm_command(specs[0].engine, model="/tmp/smollm2-135m-instruct"))
     for result in vllm.parse([c.argv for c in commands]):
         assert_parsed(result)
+
+
+def test_the_pack_check_can_ask_vllm_too(vllm: VllmArgvChecker, tmp_path: Path) -> None:
+    assert [e for _, e in validate_pack_dir(SAMPLE_PACK, vllm=vllm) if e is not None] == []
+    stray = tmp_path / "models" / "stray.yaml"
+    stray.parent.mkdir()
+    # Schema-valid (a value after a flag), but --enforce-eager takes no value: vLLM refuses.
+    stray.write_text('engine: {hf_model_id: org/m, extra_args: ["--enforce-eager", "yes"]}\n')
+    assert validate_pack_dir(tmp_path) == [(stray, None)]
+    ((path, error),) = validate_pack_dir(tmp_path, vllm=vllm)
+    assert error is not None and "vLLM refuses the rendered argv" in str(error) and "yes" in str(error)
 
 
 def test_the_spec_dtypes_are_exactly_the_ones_vllm_does_not_take(vllm: VllmArgvChecker) -> None:

@@ -119,7 +119,7 @@ class MultimodalPolicy(BaseModel):
             for kind, count in self.limit_mm_per_prompt.items()
             if kind not in served
         ]
-        if served and not any(self.limit_mm_per_prompt.get(k, 0) > 0 for k in served):
+        if served and not any(n > 0 for k, n in self.limit_mm_per_prompt.items() if k in served):
             issues.append(EngineBlockIssue(
                 "limit_mm_per_prompt", dict(self.limit_mm_per_prompt),
                 f"modality {self.modality!r} needs a per-prompt media limit: an unbounded media "

@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ._errors import EngineBlockError, EngineBlockIssue
 from ._issues import issues_from_validation_error
+from ._render import render_vllm_command
 from ._schema import EngineBlock
+from ._vllm_check import VllmArgvChecker
 
 USECASE_DIR_ENV = "EXAMLOPS_USECASE_DIR"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -130,12 +132,15 @@ def find_model(name: str, usecase_dir: str | os.PathLike[str] | None = None) -> 
 
 
 def validate_pack_dir(
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str], *, vllm: VllmArgvChecker | None = None
 ) -> list[tuple[Path, EngineBlockError | None]]:
     """Validate every model file of a pack, a directory of packs, or a `models/` directory.
 
     This is the registry-integrity check: each file comes back with its error, or None when
     it is valid. A `.yml` file is reported rather than skipped, so no model escapes the check.
+    Given a running `VllmArgvChecker`, each valid vllm-server block is also rendered and parsed
+    by vLLM's own parser, which catches what the schema cannot know (e.g. the arity of a flag
+    in `extra_args`).
     """
     root = Path(directory)
     if not root.is_dir():
@@ -156,12 +161,28 @@ def validate_pack_dir(
                 )))
             elif file.suffix == ".yaml" and file.is_file():
                 try:
-                    load_model_file(file)
+                    spec = load_model_file(file)
                 except EngineBlockError as exc:
                     results.append((file, exc))
                 else:
-                    results.append((file, None))
+                    results.append((file, _vllm_refusal(spec, vllm, str(file))))
     return results
+
+
+def _vllm_refusal(spec: ModelSpec, vllm: VllmArgvChecker | None, source: str) -> EngineBlockError | None:
+    """vLLM's objection to the argv `spec` renders to, if a checker is given and it objects."""
+    block = spec.engine
+    if vllm is None or block.engine != "vllm-server":
+        return None
+    # The secret's value is not the check's business; only its absence from argv is.
+    environ = {block.api_key_env_var: "placeholder"} if block.api_key_env_var else {}
+    (parsed,) = vllm.parse([render_vllm_command(block, environ=environ).argv])
+    if parsed.ok:
+        return None
+    return EngineBlockError.single(
+        "engine", parsed.argv, f"vLLM refuses the rendered argv: {parsed.error}",
+        ("a block whose argv `vllm serve` accepts",), source=source,
+    )
 
 
 def _usecase_root(usecase_dir: str | os.PathLike[str] | None) -> Path:
@@ -179,11 +200,11 @@ def _usecase_root(usecase_dir: str | os.PathLike[str] | None) -> Path:
     return root
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a mapping key given twice instead of keeping the last value."""
+#: SafeLoader that refuses a mapping key given twice instead of keeping the last value.
+_StrictLoader: Any = type("_StrictLoader", (yaml.SafeLoader,), {})
 
 
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+def _construct_mapping(loader: Any, node: Any) -> dict[Any, Any]:
     loader.flatten_mapping(node)
     seen: set[Any] = set()
     for key_node, _ in node.value:

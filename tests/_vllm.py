@@ -1,0 +1,46 @@
+"""A real `vllm serve` on CPU for the tests, started from the one renderer's argv."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from examlops.devstack import Proc, spawn
+from examlops.devstack._procs import http_ok
+from examlops.engine import find_model, render_vllm_command, require_vllm_python
+
+ROOT = Path(__file__).resolve().parent.parent
+USECASES = ROOT / "usecases"
+
+
+def smol_model_dir() -> Path:
+    value = os.environ.get("EXAMLOPS_SMOL_MODEL_DIR")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "examlops"
+    path = Path(value) if value else cache / "models" / "smollm2-135m-instruct-0.1.2"
+    if not (path / ".complete").is_file():
+        raise RuntimeError(f"no converted SmolLM2 folder at {path}: run `make test` or scripts/vllm-env.sh")
+    return path
+
+
+def smol_block(**updates: Any) -> Any:
+    block = find_model("smol", USECASES).engine
+    return block.model_copy(update=updates) if updates else block
+
+
+def start_vllm(workdir: Path, port: int, block: Any, log_name: str = "vllm.log") -> Proc:
+    python = require_vllm_python()
+    cmd = render_vllm_command(block, model=str(smol_model_dir()), host="127.0.0.1", port=port)
+    argv = [str(python.parent / "vllm"), *cmd.argv[1:]]
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **cmd.env}
+    proc = spawn("vllm", argv, env, workdir / log_name)
+    deadline = time.monotonic() + 600
+    while not http_ok(f"http://127.0.0.1:{port}/health"):
+        if not proc.alive():
+            raise RuntimeError(f"vLLM exited ({proc.popen.returncode}):\n{proc.log_tail(40)}")
+        if time.monotonic() > deadline:
+            proc.stop()
+            raise TimeoutError(f"vLLM not healthy in 600 s:\n{proc.log_tail(40)}")
+        time.sleep(1)
+    return proc

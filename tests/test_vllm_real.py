@@ -1,0 +1,122 @@
+"""The embedded default on a real CPU vLLM: through the gateway, health as a gate, failure and recovery.
+
+One vLLM process at a time (2 cores): started plain, killed, then restarted from a rendered argv
+with ngram speculative decoding and prefix caching on.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from _fixtures import Stack, free_port, wait_until
+from _vllm import smol_block, start_vllm
+from examlops.devstack import Proc
+from examlops.svc import DEFAULT_ADMIN_KEY
+
+pytestmark = pytest.mark.vllm
+
+
+class Server:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(tmp_path_factory.mktemp("vllm"))
+    t0 = time.monotonic()
+    s.proc = start_vllm(s.workdir, s.port, smol_block())
+    print(f"\nvLLM start-up to healthy: {time.monotonic() - t0:.1f} s")
+    yield s
+    if s.proc is not None:
+        s.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def smol(stack: Stack, server: Server) -> openai.OpenAI:
+    out = stack.cli("serve", "llm", "start", "smol", "--base-url", server.url, "--replace")
+    assert out.returncode == 0, out.stderr
+    client = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
+    wait_until(lambda: any(m.id == "smol" for m in client.models.list()))
+    return client
+
+
+def test_chat_non_streaming(smol: openai.OpenAI) -> None:
+    t0 = time.monotonic()
+    resp = smol.chat.completions.create(model="smol", max_tokens=24,
+                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    print(f"\nfirst answer through the gateway: {time.monotonic() - t0:.2f} s")
+    assert resp.choices[0].message.content
+    assert resp.usage is not None and resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 0
+
+
+def test_chat_streaming_with_final_usage_chunk(smol: openai.OpenAI) -> None:
+    chunks = list(smol.chat.completions.create(
+        model="smol", max_tokens=16, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Count to five."}]))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_structured_output_validates_against_schema(smol: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    resp = smol.chat.completions.create(
+        model="smol", max_tokens=64,
+        messages=[{"role": "user", "content": "Give a city and its population as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    obj = json.loads(resp.choices[0].message.content or "")
+    assert set(obj) == {"city", "population"}
+    assert isinstance(obj["city"], str) and isinstance(obj["population"], int)
+
+
+def test_health_gate_failure_and_recovery(stack: Stack, server: Server, smol: openai.OpenAI) -> None:
+    assert stack.cli("serve", "llm", "health", "smol").returncode == 0
+
+    assert server.proc is not None
+    server.proc.stop(signal.SIGKILL)
+    with pytest.raises(openai.APIStatusError) as info:
+        smol.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.status_code == 502
+    assert isinstance(info.value.body, dict) and info.value.body["type"] == "AllBackendsFailed"
+    assert "endpoint:smol" in info.value.body["message"]
+
+    down = stack.cli("serve", "llm", "health", "smol")
+    assert down.returncode == 1
+    listed = json.loads(stack.cli("--json", "serve", "llm", "list").stdout)
+    assert next(e for e in listed if e["name"] == "smol")["state"] == "FAILED"
+
+    # Restart from a rendered argv with ngram speculative decoding and prefix caching on.
+    block = smol_block(prefix_cache=True, speculative_decoding={
+        "enabled": True, "method": "ngram", "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    from examlops.engine import parse_engine_block
+
+    block = parse_engine_block(block.model_dump(mode="json", exclude_none=True))
+    server.proc = start_vllm(server.workdir, server.port, block, "vllm-specdecode.log")
+    argv_line = server.proc.log_tail(400)
+    assert stack.cli("serve", "llm", "health", "smol").returncode == 0
+    listed = json.loads(stack.cli("--json", "serve", "llm", "list").stdout)
+    assert next(e for e in listed if e["name"] == "smol")["state"] == "READY"
+    resp = smol.chat.completions.create(model="smol", max_tokens=24,
+                                        messages=[{"role": "user", "content": "Repeat: one two three one two three"}])
+    assert resp.choices[0].message.content
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "vllm:spec_decode_num_drafts_total" in metrics, argv_line[-2000:]
+    assert "vllm:prefix_cache_queries_total" in metrics or "prefix_cache" in metrics
