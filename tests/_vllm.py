@@ -24,9 +24,8 @@ def smol_model_dir() -> Path:
     return path
 
 
-def smol_block(**updates: Any) -> Any:
-    block = find_model("smol", USECASES).engine
-    return block.model_copy(update=updates) if updates else block
+def smol_block() -> Any:
+    return find_model("smol", USECASES).engine
 
 
 def start_vllm(workdir: Path, port: int, block: Any, log_name: str = "vllm.log") -> Proc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -14,10 +15,12 @@ from examlops.svc import DEFAULT_ADMIN_KEY
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
     stack.register("echo-a", engine="echo")
     wait_until(lambda: _routable(stack, "echo-a"))
-    return openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
+    c = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
+    yield c
+    c.close()
 
 
 def _routable(stack: Stack, name: str) -> bool:
@@ -163,8 +166,8 @@ def test_auth_errors(client: openai.OpenAI, stack: Stack) -> None:
         resp = _raw(stack, ok, key=key)
         assert resp.status_code == 401
         assert resp.json()["error"]["code"] == "invalid_api_key"
-    bad = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key="nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key="nope", max_retries=0) as bad, \
+            pytest.raises(openai.AuthenticationError):
         bad.models.list()
 
 

@@ -85,6 +85,7 @@ def test_new_endpoint_routes_within_a_second_and_survives_registry_outage(
     with running_stack(tmp_path, redis_server) as stack:
         client = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
         stack.register("fresh-1", engine="echo")
+        t_close = client.close
         t0 = time.monotonic()
 
         def answers() -> bool:
@@ -102,6 +103,7 @@ def test_new_endpoint_routes_within_a_second_and_survives_registry_outage(
         stack.start("registry")  # the watch comes back by itself
         stack.register("fresh-2", engine="echo")
         wait_until(lambda: any(m.id == "fresh-2" for m in client.models.list()), timeout_s=5)
+        t_close()
 
 
 def test_acknowledged_writes_survive_redis_sigkill(tmp_path: Path) -> None:

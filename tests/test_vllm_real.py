@@ -19,6 +19,7 @@ import pytest
 from _fixtures import Stack, free_port, wait_until
 from _vllm import smol_block, start_vllm
 from examlops.devstack import Proc
+from examlops.engine import parse_engine_block
 from examlops.svc import DEFAULT_ADMIN_KEY
 
 pytestmark = pytest.mark.vllm
@@ -47,12 +48,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def smol(stack: Stack, server: Server) -> openai.OpenAI:
+def smol(stack: Stack, server: Server) -> Iterator[openai.OpenAI]:
     out = stack.cli("serve", "llm", "start", "smol", "--base-url", server.url, "--replace")
     assert out.returncode == 0, out.stderr
     client = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
     wait_until(lambda: any(m.id == "smol" for m in client.models.list()))
-    return client
+    yield client
+    client.close()
 
 
 def test_chat_non_streaming(smol: openai.OpenAI) -> None:
@@ -103,12 +105,11 @@ def test_health_gate_failure_and_recovery(stack: Stack, server: Server, smol: op
     assert next(e for e in listed if e["name"] == "smol")["state"] == "FAILED"
 
     # Restart from a rendered argv with ngram speculative decoding and prefix caching on.
-    block = smol_block(prefix_cache=True, speculative_decoding={
+    data = smol_block().model_dump(mode="json", exclude_none=True)
+    data.update(prefix_cache=True, speculative_decoding={
         "enabled": True, "method": "ngram", "num_speculative_tokens": 3,
         "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-    from examlops.engine import parse_engine_block
-
-    block = parse_engine_block(block.model_dump(mode="json", exclude_none=True))
+    block = parse_engine_block(data)
     server.proc = start_vllm(server.workdir, server.port, block, "vllm-specdecode.log")
     argv_line = server.proc.log_tail(400)
     assert stack.cli("serve", "llm", "health", "smol").returncode == 0

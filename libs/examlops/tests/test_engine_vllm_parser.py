@@ -222,7 +222,7 @@ def test_the_pack_check_can_ask_vllm_too(vllm: VllmArgvChecker, tmp_path: Path) 
     # Schema-valid (a value after a flag), but --enforce-eager takes no value: vLLM refuses.
     stray.write_text('engine: {hf_model_id: org/m, extra_args: ["--enforce-eager", "yes"]}\n')
     assert validate_pack_dir(tmp_path) == [(stray, None)]
-    ((path, error),) = validate_pack_dir(tmp_path, vllm=vllm)
+    ((_, error),) = validate_pack_dir(tmp_path, vllm=vllm)
     assert error is not None and "vLLM refuses the rendered argv" in str(error) and "yes" in str(error)
 
 

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 from urllib.parse import quote
 
 Part = dict[str, Any]
-Hostile = tuple[str, Part, str]  # (class, part, expected code)
-Allowed = tuple[Part | str, str | None]  # (part, expected forwarded URL, None for text)
+Hostile = tuple[str, Any, str]  # (class, part, expected code); a part may be deliberately not a dict
+Allowed = tuple[Any, str | None]  # (part, expected forwarded URL, None for text)
 
 MAX_BYTES = 64 * 1024
 POLICY_KWARGS: dict[str, Any] = {

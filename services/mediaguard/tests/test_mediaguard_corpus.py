@@ -9,8 +9,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from examlops.engine._multimodal import MultimodalPolicy
-from examlops_mediaguard._validate import REJECTION_CODES, MediaRejected, validate_messages
 from media_corpus import (
     ALLOWED,
     HOSTILE,
@@ -19,17 +17,21 @@ from media_corpus import (
     PART_PARAM,
     POLICY_KWARGS,
     Allowed,
+    Corpus,
     Hostile,
     corpus,
     make_media_root,
     request,
 )
 
+from examlops.engine._multimodal import MultimodalPolicy
+from examlops_mediaguard._validate import REJECTION_CODES, MediaRejected, validate_messages
+
 POLICY = MultimodalPolicy(**POLICY_KWARGS)
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, MultimodalPolicy]:
+def local(tmp_path_factory: pytest.TempPathFactory) -> tuple[Corpus, MultimodalPolicy]:
     root = make_media_root(tmp_path_factory.mktemp("corpus"))
     entries = corpus(root)
     return entries, MultimodalPolicy(**entries.policy_kwargs)
@@ -74,15 +76,13 @@ def test_allowed_part_is_forwarded_in_canonical_form(part: Any, expected: str | 
 
 
 @pytest.mark.parametrize(("cls", "messages", "code", "param"), HOSTILE_REQUESTS)
-def test_hostile_request_is_refused_at_the_right_part(
-    cls: str, messages: list[Any], code: str, param: str
-) -> None:
+def test_hostile_request_is_refused_at_the_right_part(cls: str, messages: list[Any], code: str, param: str) -> None:
     with pytest.raises(MediaRejected) as caught:
         validate_messages(messages, POLICY)
     assert (caught.value.code, caught.value.param) == (code, param)
 
 
-def test_local_file_corpus(local: tuple[Any, MultimodalPolicy]) -> None:
+def test_local_file_corpus(local: tuple[Corpus, MultimodalPolicy]) -> None:
     entries, policy = local
     hostile: list[Hostile] = entries.hostile
     allowed: list[Allowed] = entries.allowed

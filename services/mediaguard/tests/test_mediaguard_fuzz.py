@@ -12,10 +12,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from examlops.engine._multimodal import MultimodalPolicy
-from examlops_mediaguard._validate import REJECTION_CODES, MediaRejected, validate_messages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from examlops.engine._multimodal import MultimodalPolicy
+from examlops_mediaguard._validate import REJECTION_CODES, MediaRejected, validate_messages
 
 ALLOWED_DOMAINS = ("example.com", "img.example.org")
 POLICY = MultimodalPolicy(
@@ -114,6 +115,7 @@ def test_accepted_urls_reach_only_allowed_hosts() -> None:
         max_examples=4000,
         deadline=None,
         derandomize=True,
+        database=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
     @given(urls)
@@ -141,7 +143,7 @@ def test_accepted_urls_reach_only_allowed_hosts() -> None:
     assert len(set(accepted)) >= 250, len(set(accepted))
 
 
-@settings(max_examples=1500, deadline=None, derandomize=True)
+@settings(max_examples=1500, deadline=None, derandomize=True, database=None)
 @given(st.text(max_size=200))
 def test_arbitrary_text_is_either_refused_with_a_known_code_or_an_allowed_url(text: str) -> None:
     forwarded = _validate(text)

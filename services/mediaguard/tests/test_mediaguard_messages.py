@@ -11,14 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from examlops.engine._multimodal import MultimodalPolicy
-from examlops_mediaguard._validate import (
-    REJECTION_CODES,
-    MediaRejected,
-    has_media,
-    strip_media,
-    validate_messages,
-)
 from media_corpus import (
     ALLOWED,
     HOSTILE,
@@ -31,6 +23,15 @@ from media_corpus import (
     image,
     make_media_root,
     request,
+)
+
+from examlops.engine._multimodal import MultimodalPolicy
+from examlops_mediaguard._validate import (
+    REJECTION_CODES,
+    MediaRejected,
+    has_media,
+    strip_media,
+    validate_messages,
 )
 
 POLICY = MultimodalPolicy(**POLICY_KWARGS)
@@ -54,9 +55,7 @@ def audio(data: bytes, fmt: str = "wav") -> dict[str, Any]:
 
 
 def test_text_only_requests_have_no_media() -> None:
-    assert not has_media(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
-    )
+    assert not has_media([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}])
     assert not has_media([{"role": "user", "content": [TEXT, "bare", {"type": "refusal"}]}])
 
 
@@ -79,7 +78,7 @@ def test_anything_not_plainly_text_counts_as_media(messages: Any) -> None:
 
 
 def test_strip_media_keeps_text_and_counts_what_it_dropped() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [TEXT, image("http://example.com/a.png"), audio(WAV), "bare"]},
         {"role": "user", "content": [{"type": "text", "text": "x", "uuid": "u", "image_url": "i"}]},
@@ -120,7 +119,7 @@ def test_media_parts_are_rebuilt_from_checked_fields_only() -> None:
 
 
 def test_counts_add_up_across_messages_and_report_per_kind() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": [image("http://example.com/1.png")]},
         {"role": "assistant", "content": "a cat"},
         {"role": "user", "content": [TEXT, image(data_url("image/png", PNG))]},
@@ -151,12 +150,8 @@ def test_rejection_messages_stay_short_whatever_the_input() -> None:
 
 def test_empty_allow_list_denies_every_remote_url_but_not_inline_data() -> None:
     closed = policy(allowed_media_domains=[])
-    assert refusal(request(image("https://example.com/a.png")), closed).code == (
-        "media_domain_not_allowed"
-    )
-    assert validate_messages(request(image(data_url("image/png", PNG))), closed).counts == {
-        "image": 1
-    }
+    assert refusal(request(image("https://example.com/a.png")), closed).code == ("media_domain_not_allowed")
+    assert validate_messages(request(image(data_url("image/png", PNG))), closed).counts == {"image": 1}
 
 
 def test_allow_list_entries_are_normalised_and_junk_entries_match_nothing() -> None:
@@ -180,9 +175,7 @@ def test_ip_entries_in_the_allow_list_do_not_admit_ip_hosts() -> None:
 def test_text_endpoint_refuses_media_but_passes_text() -> None:
     text_only = MultimodalPolicy()
     assert validate_messages(request(TEXT), text_only).counts == {}
-    assert refusal(request(image("https://example.com/a.png")), text_only).code == (
-        "media_modality_not_supported"
-    )
+    assert refusal(request(image("https://example.com/a.png")), text_only).code == ("media_modality_not_supported")
 
 
 def test_video_endpoint_takes_video_and_images_within_their_own_limits() -> None:
@@ -231,9 +224,7 @@ def test_root_given_through_a_symlink_is_resolved_before_the_containment_check(
     result = validate_messages(request(image(f"file://{alias}/sub/b.jpg")), pol)
     expected = f"file://{os.path.realpath(root)}/sub/b.jpg"
     assert result.messages[0]["content"][1]["image_url"]["url"] == expected
-    assert refusal(request(image(f"file://{alias}/../secret.png")), pol).code == (
-        "media_path_not_allowed"
-    )
+    assert refusal(request(image(f"file://{alias}/../secret.png")), pol).code == ("media_path_not_allowed")
 
 
 def test_validation_never_touches_the_network(monkeypatch: pytest.MonkeyPatch) -> None:

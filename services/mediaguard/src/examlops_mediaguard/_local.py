@@ -79,9 +79,7 @@ def _unescape(raw_path: str) -> str:
             continue
         byte = int(piece, 16)
         if byte in _FORBIDDEN_ESCAPES:
-            raise PartRefused(
-                PATH_NOT_ALLOWED, f"percent-encoded {chr(byte)!r} in path: {shorten(raw_path)}"
-            )
+            raise PartRefused(PATH_NOT_ALLOWED, f"percent-encoded {chr(byte)!r} in path: {shorten(raw_path)}")
         decoded.append(byte)
     try:
         return decoded.decode("utf-8")
@@ -94,8 +92,6 @@ def _check_magic(path: str, kind: str) -> None:
         with open(path, "rb") as handle:
             head = handle.read(_SNIFF_BYTES)
     except OSError:
-        raise PartRefused(
-            PATH_NOT_ALLOWED, f"media file is not readable: {shorten(path)}"
-        ) from None
+        raise PartRefused(PATH_NOT_ALLOWED, f"media file is not readable: {shorten(path)}") from None
     if not any(SIGNATURES[mime](head) for mime in MEDIA_TYPES[kind]):
         raise PartRefused(TYPE_NOT_ALLOWED, f"file is not an accepted {kind} format")

@@ -54,9 +54,7 @@ __all__ = [
     "validate_messages",
 ]
 
-TEXT_PART_TYPES: Final = frozenset(
-    {"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"}
-)
+TEXT_PART_TYPES: Final = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"})
 #: Fields an engine may read media from, whatever the part's declared type.
 MEDIA_FIELDS: Final = frozenset(
     {
@@ -104,9 +102,7 @@ class ValidatedMessages:
         return sum(self.counts.values())
 
 
-def validate_messages(
-    messages: list[dict[str, Any]], policy: MultimodalPolicy
-) -> ValidatedMessages:
+def validate_messages(messages: list[dict[str, Any]], policy: MultimodalPolicy) -> ValidatedMessages:
     """Check every content part against ``policy``; raise `MediaRejected` at the first violation."""
     if not isinstance(messages, list):
         raise MediaRejected(PART_MALFORMED, "messages must be a list", "messages", -1)
@@ -230,16 +226,14 @@ class _PartChecker:
                 raise PartRefused(PART_MALFORMED, f"a {part_type} part carries {smuggled!r}")
             return dict(part)
         if part_type in _REFUSED_PARTS:
-            raise PartRefused(
-                TYPE_NOT_ALLOWED, f"{part_type!r} parts are refused: " + _REFUSED_PARTS[part_type]
-            )
+            raise PartRefused(TYPE_NOT_ALLOWED, f"{part_type!r} parts are refused: " + _REFUSED_PARTS[part_type])
         if part_type == "input_audio":
-            self._count(part, "audio", "input_audio")
+            self._admit(part, "audio", "input_audio")
             return self._input_audio(part)
         if part_type not in _URL_PARTS:
             raise PartRefused(TYPE_NOT_ALLOWED, f"unknown content part type {shorten(part_type)}")
         kind, field = _URL_PARTS[part_type]
-        self._count(part, kind, field)
+        self._admit(part, kind, field)
         url, detail = _url_and_detail(part, field)
         checked = self._url(url, kind)
         if kind != "image":
@@ -249,7 +243,8 @@ class _PartChecker:
             image["detail"] = detail
         return {"type": "image_url", "image_url": image}
 
-    def _count(self, part: dict[str, Any], kind: str, field: str) -> None:
+    def _admit(self, part: dict[str, Any], kind: str, field: str) -> None:
+        """Admit one more part of media `kind`, or refuse it (smuggled fields, modality, limit)."""
         others = MEDIA_FIELDS.intersection(part) - {field}
         if others:
             raise PartRefused(PART_MALFORMED, f"the {kind} part also carries {sorted(others)[0]!r}")

@@ -7,6 +7,8 @@ import logging
 
 import grpc
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from prometheus_client import start_http_server
 
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
@@ -46,7 +48,11 @@ def build_server(settings: RegistrySettings, client: redis.Redis) -> tuple[grpc.
 
 
 async def run(settings: RegistrySettings) -> None:
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    # A Redis restart leaves dead pooled connections: retry once connected again, briefly.
+    client = redis.Redis.from_url(
+        settings.redis_url, decode_responses=True, health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     try:
         await client.ping()
     except redis.ConnectionError as exc:

@@ -1,0 +1,401 @@
+"""Gateway overhead: the same stub backend called directly and through the whole stack, in one run.
+
+    .venv/bin/python bench/bench_gateway.py            # ~1.5 min
+    .venv/bin/python bench/bench_gateway.py --quick    # ~30 s
+    .venv/bin/python bench/bench_gateway.py --json out.json
+
+Starts Redis, the five services (tests/_fixtures.py) and bench/stub_backend.py, registers the
+endpoint `bench` (engine vllm-server, base_url = the stub), checks both paths with the official
+openai client, then drives each path with the same load generator (bench/loadgen.py, its own
+process): 1 client (latency over sequential requests) and 32 clients (throughput over a fixed
+number of requests), non-streaming and streaming (time to last byte). It prints the latency the
+gateway adds, the throughput ratio and the CPU each server process spent per request (from
+/proc/<pid>/stat), and compares them with the performance budget of ARCHITECTURE.md.
+Everything listens on 127.0.0.1 and everything it started is stopped at the end, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import openai  # noqa: E402
+
+from _fixtures import RedisServer, Stack, running_stack, start_redis  # noqa: E402
+from examlops.devstack import Proc, free_port, spawn, wait_http  # noqa: E402
+from examlops.svc import DEFAULT_ADMIN_KEY  # noqa: E402
+
+ENDPOINT = "bench"
+CHAT_PATH = "/v1/chat/completions"
+STUB_TEXT = "Hello from the stub."
+MESSAGES = [{"role": "user", "content": "Say hello in five words."}]
+
+#: ARCHITECTURE.md "Performance budget": LiteLLM's throughput anchor (32 clients) and our targets.
+LITELLM_RPS = {False: (80, 125), True: (50, 65)}
+TARGET_ADDED_P50_MS = 2.0
+TARGET_LITELLM_MULTIPLE = 4
+
+
+@dataclass(frozen=True)
+class Profile:
+    latency_requests: int    # sequential requests at 1 client
+    latency_warmup: int
+    throughput_requests: int  # requests spread over 32 clients
+    throughput_warmup: int
+    max_seconds: float       # cap of one measured phase (and of its warm-up)
+
+
+PROFILES = {
+    "full": Profile(latency_requests=2000, latency_warmup=200, throughput_requests=10_000,
+                    throughput_warmup=1000, max_seconds=20),
+    "quick": Profile(latency_requests=300, latency_warmup=50, throughput_requests=1500,
+                     throughput_warmup=200, max_seconds=6),
+}
+
+
+def say(msg: str) -> None:
+    sys.stderr.write(f"==> {msg}\n")
+    sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU accounting
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the whole process (all its threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of proc(5)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all CPUs), from /proc/stat."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    snap = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    snap["machine"] = machine_busy_seconds()
+    return snap
+
+
+# ---------------------------------------------------------------------------------------------
+# The load generator process
+
+
+class LoadGen:
+    """bench/loadgen.py as a child process in its own session (Ctrl-C reaches only us)."""
+
+    def __init__(self) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, str(BENCH / "loadgen.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, bufsize=1, start_new_session=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def _send(self, line: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(line + "\n")
+        self.popen.stdin.flush()
+
+    def _receive(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"load generator silent for {timeout_s:.0f}s") from None
+        if not line:
+            raise RuntimeError(f"load generator exited with {self.popen.wait()}")
+        msg: dict[str, Any] = json.loads(line)
+        if msg.get("event") == "failed":
+            raise RuntimeError(f"load generator failed: {msg['error']}")
+        return msg
+
+    def measure(self, spec: dict[str, Any], pids: dict[str, int]) -> dict[str, Any]:
+        """Warm up, then run the measured requests; CPU of `pids` is sampled around that part only."""
+        limit = 2 * float(spec["max_seconds"]) + 30
+        self._send(json.dumps(spec))
+        ready = self._receive(limit)
+        if ready.get("warmup_errors"):
+            say(f"warning: {ready['warmup_errors']} errors during warm-up, first: {ready['first_error']}")
+        before = cpu_snapshot(pids)
+        self._send("go")
+        result = self._receive(limit)
+        after = cpu_snapshot(pids)
+        count = max(int(result["count"]), 1)
+        result["cpu_ms_per_request"] = {n: (after[n] - before[n]) * 1000 / count for n in pids}
+        # CPU that none of our processes used: another workload on the machine skews the numbers
+        ours = sum(after[n] - before[n] for n in pids)
+        result["foreign_cpu_cores"] = max(0.0, after["machine"] - before["machine"] - ours) / result["elapsed_s"]
+        return result
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(OSError):
+                self._send("quit")
+            try:
+                self.popen.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bringing the parts up
+
+
+def request_body(stream: bool) -> str:
+    body: dict[str, Any] = {"model": ENDPOINT, "messages": MESSAGES, "max_tokens": 16}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return json.dumps(body, separators=(",", ":"))
+
+
+def check_with_openai(base_url: str, label: str, timeout_s: float = 20.0) -> None:
+    """Both request shapes through `base_url` with the official client; retried while routes settle."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0, timeout=10)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            resp = client.chat.completions.create(model=ENDPOINT, messages=MESSAGES)  # type: ignore[arg-type]
+            break
+        except (openai.NotFoundError, openai.APIConnectionError, openai.InternalServerError) as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: no answer from {base_url} within {timeout_s:.0f}s: {exc}") from None
+            time.sleep(0.1)
+    assert resp.choices[0].message.content == STUB_TEXT, f"{label}: unexpected answer {resp}"
+    assert resp.usage is not None and resp.usage.completion_tokens == 5, f"{label}: usage missing: {resp}"
+    chunks = list(client.chat.completions.create(model=ENDPOINT, messages=MESSAGES, stream=True,  # type: ignore[arg-type]
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == STUB_TEXT, f"{label}: unexpected stream text {text!r}"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5, f"{label}: no usage chunk"
+    client.close()
+
+
+@dataclass
+class Parts:
+    stub_url: str
+    stack: Stack
+    loadgen: LoadGen
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def bring_up(workdir: Path) -> Iterator[Parts]:
+    with contextlib.ExitStack() as parts:
+        say(f"starting Redis, the stub and the five services (logs in {workdir})")
+        redis_server: RedisServer = start_redis(workdir / "redis")
+        parts.callback(redis_server.proc.stop)
+
+        stub_port = free_port()
+        stub_url = f"http://127.0.0.1:{stub_port}"
+        stub: Proc = spawn("stub", [sys.executable, str(BENCH / "stub_backend.py"), "--port", str(stub_port)],
+                           {}, workdir / "stub.log")
+        parts.callback(stub.stop)
+        wait_http(stub_url + "/health", 15, stub)
+
+        stack = parts.enter_context(running_stack(workdir / "stack", redis_server))
+        stack.register(ENDPOINT, engine="vllm-server", base_url=stub_url)
+        check_with_openai(stub_url, "stub")
+        check_with_openai(stack.gateway_url, "gateway")
+        say("the official openai client gets the same answers directly and through the gateway")
+
+        loadgen = LoadGen()
+        parts.callback(loadgen.close)
+        pids = {"gateway": stack.procs["gateway"].pid, "engine-proxy": stack.procs["engine-proxy"].pid,
+                "stub": stub.pid, "client": loadgen.pid}
+        # the rest of the stack, summed as "other": nothing of it should be on the request path
+        pids.update({f"other:{name}": stack.procs[name].pid for name in ("registry", "mediaguard", "launcher")})
+        pids["other:redis"] = redis_server.proc.pid
+        try:
+            yield Parts(stub_url, stack, loadgen, pids)
+        finally:
+            # a second Ctrl-C must not cut the teardown short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+@dataclass
+class Scenario:
+    stream: bool
+    concurrency: int
+
+    @property
+    def label(self) -> str:
+        kind = "stream" if self.stream else "non-stream"
+        return f"{kind}, {self.concurrency} client{'s' if self.concurrency > 1 else ''}"
+
+
+def run_scenarios(parts: Parts, profile: Profile) -> list[dict[str, Any]]:
+    results = []
+    for stream in (False, True):
+        for concurrency in (1, 32):
+            sc = Scenario(stream, concurrency)
+            one = concurrency == 1
+            row: dict[str, Any] = {"scenario": sc.label, "stream": stream, "concurrency": concurrency}
+            for target, url in (("direct", parts.stub_url), ("gateway", parts.stack.gateway_url)):
+                spec = {"url": url, "path": CHAT_PATH, "body": request_body(stream), "api_key": DEFAULT_ADMIN_KEY,
+                        "stream": stream, "concurrency": concurrency,
+                        "requests": profile.latency_requests if one else profile.throughput_requests,
+                        "warmup": profile.latency_warmup if one else profile.throughput_warmup,
+                        "max_seconds": profile.max_seconds}
+                say(f"{sc.label:<22} {target:<8} {spec['requests']} requests")
+                res = parts.loadgen.measure(spec, parts.pids)
+                cpu = res["cpu_ms_per_request"]
+                cpu["other"] = sum(v for k, v in cpu.items() if k.startswith("other:"))
+                res["cpu_ms_per_request"] = {k: v for k, v in cpu.items() if not k.startswith("other:")}
+                if res["errors"]:
+                    say(f"warning: {res['errors']} failed requests, first: {res['first_error']}")
+                if res["count"] < spec["requests"]:
+                    say(f"note: phase capped at {profile.max_seconds:.0f}s after {res['count']} requests")
+                row[target] = res
+            results.append(row)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _f(v: float, fmt: str = "{:.2f}") -> str:
+    return "—" if v != v else fmt.format(v)  # NaN → dash
+
+
+def report(results: list[dict[str, Any]], profile_name: str) -> str:
+    out = []
+    cpus = os.cpu_count()
+    out.append(f"\nGateway overhead ({profile_name} run; {cpus} CPUs, Python {platform.python_version()}, "
+               "one gateway worker, loopback; same stub and client for both paths)\n")
+    head = (f"{'scenario':<22} {'path':<8} {'n':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9}   "
+            f"{'CPU ms/request: gw+ep = gateway + engine-proxy':<48} {'stub':>6}")
+    out.append(head)
+    out.append("-" * len(head))
+    for row in results:
+        d, g = row["direct"], row["gateway"]
+        for target, res in (("direct", d), ("gateway", g)):
+            cpu = res["cpu_ms_per_request"]
+            gw_ep = (f"{cpu['gateway'] + cpu['engine-proxy']:.2f} = {cpu['gateway']:.2f} + {cpu['engine-proxy']:.2f}"
+                     if target == "gateway" else "")
+            err = f"  ({res['errors']} errors)" if res["errors"] else ""
+            out.append(f"{row['scenario'] if target == 'direct' else '':<22} {target:<8} {res['count']:>6} "
+                       f"{_f(res['p50_ms']):>8} {_f(res['p99_ms']):>8} {res['rps']:>9.0f}   {gw_ep:<48} "
+                       f"{cpu['stub']:>6.3f}{err}")
+        ratio = g["rps"] / d["rps"] if d["rps"] else float("nan")
+        out.append(f"{'':<22} {'added':<8} {'':>6} {'+' + _f(g['p50_ms'] - d['p50_ms']):>8} "
+                   f"{'+' + _f(g['p99_ms'] - d['p99_ms']):>8} {'×' + _f(ratio, '{:.3f}'):>9}")
+        out.append("")
+    by = {(r["stream"], r["concurrency"]): r for r in results}
+    out.append("Against the performance budget (ARCHITECTURE.md; LiteLLM and pass-through anchors measured there):")
+    for stream in (False, True):
+        kind = "stream    " if stream else "non-stream"
+        lat, thr = by[(stream, 1)], by[(stream, 32)]
+        added = lat["gateway"]["p50_ms"] - lat["direct"]["p50_ms"]
+        rps = thr["gateway"]["rps"]
+        lo, hi = LITELLM_RPS[stream]
+        verdict_lat = "within" if added < TARGET_ADDED_P50_MS else "OVER"
+        verdict_thr = "meets" if rps >= TARGET_LITELLM_MULTIPLE * hi else (
+            "meets only vs the low anchor" if rps >= TARGET_LITELLM_MULTIPLE * lo else "BELOW")
+        out.append(f"  {kind}: added p50 {added:.2f} ms (target < {TARGET_ADDED_P50_MS:.0f} ms: {verdict_lat}); "
+                   f"{rps:.0f} req/s at 32 clients = {rps / hi:.1f}–{rps / lo:.1f}× LiteLLM's {lo}–{hi} "
+                   f"(target ≥ {TARGET_LITELLM_MULTIPLE}×: {verdict_thr})")
+    client = max(r["gateway"]["cpu_ms_per_request"]["client"] for r in results)
+    direct_client = max(r["direct"]["cpu_ms_per_request"]["client"] for r in results)
+    other = max(r["gateway"]["cpu_ms_per_request"]["other"] for r in results)
+    out.append(f"  (load generator: ≤ {direct_client:.3f} ms CPU/request direct, ≤ {client:.3f} through the gateway; "
+               f"registry+mediaguard+launcher+Redis: ≤ {other:.3f} ms/request)")
+    foreign = max(res["foreign_cpu_cores"] for r in results for res in (r["direct"], r["gateway"]))
+    if foreign > 0.15:
+        out.append(f"  WARNING: other processes on this machine used up to {foreign:.2f} of its {cpus} CPUs during "
+                   "a measurement; run again on an idle machine for numbers to compare")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a ~30 s run with fewer requests")
+    ap.add_argument("--json", type=Path, help="also write the results as JSON to this file")
+    ap.add_argument("--workdir", type=Path, help="keep logs and Redis data here (default: a temporary folder)")
+    args = ap.parse_args(argv)
+    profile_name = "quick" if args.quick else "full"
+    profile = PROFILES[profile_name]
+
+    if shutil.which("redis-server") is None:
+        say("redis-server is not installed (make system-deps installs it)")
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="examlops-bench-"))
+    started = time.monotonic()
+    ok = False
+    try:
+        with bring_up(workdir) as parts:
+            results = run_scenarios(parts, profile)
+            say("stopping everything")
+        print(report(results, profile_name))
+        if args.json:
+            args.json.write_text(json.dumps({"profile": profile_name, "results": results}, indent=2))
+        ok = True
+    except KeyboardInterrupt:
+        say("interrupted: everything it started is stopped")
+        return 130
+    except (RuntimeError, TimeoutError, AssertionError) as exc:
+        say(f"benchmark failed: {exc}\n    logs are in {workdir}")
+        return 1
+    finally:
+        say(f"took {time.monotonic() - started:.0f}s")
+        if ok and args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
