@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,8 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import openai  # noqa: E402
-
 from _fixtures import RedisServer, Stack, running_stack, start_redis  # noqa: E402
+
 from examlops.devstack import Proc, free_port, spawn, wait_http  # noqa: E402
 from examlops.svc import DEFAULT_ADMIN_KEY  # noqa: E402
 
@@ -147,18 +148,22 @@ class LoadGen:
             raise RuntimeError(f"load generator failed: {msg['error']}")
         return msg
 
-    def measure(self, spec: dict[str, Any], pids: dict[str, int]) -> dict[str, Any]:
+    def measure(self, spec: dict[str, Any], pids: dict[str, int], stub_url: str) -> dict[str, Any]:
         """Warm up, then run the measured requests; CPU of `pids` is sampled around that part only."""
         limit = 2 * float(spec["max_seconds"]) + 30
         self._send(json.dumps(spec))
         ready = self._receive(limit)
         if ready.get("warmup_errors"):
             say(f"warning: {ready['warmup_errors']} errors during warm-up, first: {ready['first_error']}")
+        stats_before = stub_stats(stub_url)
         before = cpu_snapshot(pids)
         self._send("go")
         result = self._receive(limit)
         after = cpu_snapshot(pids)
+        stats_after = stub_stats(stub_url)
         count = max(int(result["count"]), 1)
+        # connections the stub accepted per measured request: ~0 when the caller pools them
+        result["backend_connections_per_request"] = (stats_after["connections"] - stats_before["connections"]) / count
         result["cpu_ms_per_request"] = {n: (after[n] - before[n]) * 1000 / count for n in pids}
         # CPU that none of our processes used: another workload on the machine skews the numbers
         ours = sum(after[n] - before[n] for n in pids)
@@ -178,6 +183,12 @@ class LoadGen:
 
 # ---------------------------------------------------------------------------------------------
 # Bringing the parts up
+
+
+def stub_stats(stub_url: str) -> dict[str, int]:
+    with urllib.request.urlopen(stub_url + "/stats", timeout=5) as resp:
+        stats: dict[str, int] = json.loads(resp.read())
+    return stats
 
 
 def request_body(stream: bool) -> str:
@@ -219,11 +230,27 @@ class Parts:
 
 
 @contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold Ctrl-C/SIGTERM back until the block ends: for a start whose process we cannot stop before it returns."""
+    pending: list[int] = []
+    saved = {sig: signal.signal(sig, lambda signum, _frame: pending.append(signum))
+             for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    if pending:
+        raise KeyboardInterrupt(f"signal {pending[0]}")
+
+
+@contextlib.contextmanager
 def bring_up(workdir: Path) -> Iterator[Parts]:
     with contextlib.ExitStack() as parts:
         say(f"starting Redis, the stub and the five services (logs in {workdir})")
-        redis_server: RedisServer = start_redis(workdir / "redis")
-        parts.callback(redis_server.proc.stop)
+        with deferred_interrupts():  # start_redis returns the process only once Redis answers
+            redis_server: RedisServer = start_redis(workdir / "redis")
+            parts.callback(redis_server.proc.stop)
 
         stub_port = free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
@@ -282,7 +309,7 @@ def run_scenarios(parts: Parts, profile: Profile) -> list[dict[str, Any]]:
                         "warmup": profile.latency_warmup if one else profile.throughput_warmup,
                         "max_seconds": profile.max_seconds}
                 say(f"{sc.label:<22} {target:<8} {spec['requests']} requests")
-                res = parts.loadgen.measure(spec, parts.pids)
+                res = parts.loadgen.measure(spec, parts.pids, parts.stub_url)
                 cpu = res["cpu_ms_per_request"]
                 cpu["other"] = sum(v for k, v in cpu.items() if k.startswith("other:"))
                 res["cpu_ms_per_request"] = {k: v for k, v in cpu.items() if not k.startswith("other:")}
@@ -309,7 +336,7 @@ def report(results: list[dict[str, Any]], profile_name: str) -> str:
     out.append(f"\nGateway overhead ({profile_name} run; {cpus} CPUs, Python {platform.python_version()}, "
                "one gateway worker, loopback; same stub and client for both paths)\n")
     head = (f"{'scenario':<22} {'path':<8} {'n':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>9}   "
-            f"{'CPU ms/request: gw+ep = gateway + engine-proxy':<48} {'stub':>6}")
+            f"{'CPU ms/request: gw+ep = gateway + engine-proxy':<48} {'stub':>6} {'busy*':>6}")
     out.append(head)
     out.append("-" * len(head))
     for row in results:
@@ -321,7 +348,7 @@ def report(results: list[dict[str, Any]], profile_name: str) -> str:
             err = f"  ({res['errors']} errors)" if res["errors"] else ""
             out.append(f"{row['scenario'] if target == 'direct' else '':<22} {target:<8} {res['count']:>6} "
                        f"{_f(res['p50_ms']):>8} {_f(res['p99_ms']):>8} {res['rps']:>9.0f}   {gw_ep:<48} "
-                       f"{cpu['stub']:>6.3f}{err}")
+                       f"{cpu['stub']:>6.3f} {res['foreign_cpu_cores']:>6.2f}{err}")
         ratio = g["rps"] / d["rps"] if d["rps"] else float("nan")
         out.append(f"{'':<22} {'added':<8} {'':>6} {'+' + _f(g['p50_ms'] - d['p50_ms']):>8} "
                    f"{'+' + _f(g['p99_ms'] - d['p99_ms']):>8} {'×' + _f(ratio, '{:.3f}'):>9}")
@@ -345,6 +372,12 @@ def report(results: list[dict[str, Any]], profile_name: str) -> str:
     other = max(r["gateway"]["cpu_ms_per_request"]["other"] for r in results)
     out.append(f"  (load generator: ≤ {direct_client:.3f} ms CPU/request direct, ≤ {client:.3f} through the gateway; "
                f"registry+mediaguard+launcher+Redis: ≤ {other:.3f} ms/request)")
+    out.append("  * busy: CPUs that processes other than the benchmark's kept busy during the measurement")
+    conns = max(r["gateway"]["backend_connections_per_request"] for r in results)
+    if conns > 0.1:
+        worst = max(results, key=lambda r: r["gateway"]["backend_connections_per_request"])
+        out.append(f"  NOTE: through the gateway the stub accepted {conns:.2f} new connections per request "
+                   f"({worst['scenario']}): the engine-proxy → backend connection is not reused")
     foreign = max(res["foreign_cpu_cores"] for r in results for res in (r["direct"], r["gateway"]))
     if foreign > 0.15:
         out.append(f"  WARNING: other processes on this machine used up to {foreign:.2f} of its {cpus} CPUs during "
@@ -371,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("redis-server") is None:
         say("redis-server is not installed (make system-deps installs it)")
         return 2
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="examlops-bench-"))

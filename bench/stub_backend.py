@@ -8,6 +8,7 @@ Raw asyncio protocol (uvloop when installed), HTTP/1.1 keep-alive, no framework:
     POST /v1/completions        the same for text_completion
     GET  /v1/models             the one model the stub pretends to serve
     GET  /health                200, empty body (as vLLM answers)
+    GET  /stats                 {"connections": accepted so far, "requests": answered so far}
 
 The answer's "model" echoes the request's. Responses are built once per (path, model, stream,
 include_usage) and cached. Bodies must carry Content-Length (chunked request bodies get 411).
@@ -115,6 +116,8 @@ def _chunked(events: list[bytes]) -> bytes:
 
 
 _cache: dict[tuple[bytes, str, bool, bool, bool], bytes] = {}
+#: what /stats reports: a client that pools its connections opens few of them
+STATS = {"connections": 0, "requests": 0}
 
 
 def _generation(path: bytes, body: bytes, keep_alive: bool) -> bytes:
@@ -146,9 +149,12 @@ def _generation(path: bytes, body: bytes, keep_alive: bool) -> bytes:
 def respond(method: bytes, target: bytes, body: bytes, keep_alive: bool) -> bytes:
     path = target.split(b"?", 1)[0]
     if method == b"POST" and path in (b"/v1/chat/completions", b"/v1/completions"):
+        STATS["requests"] += 1
         return _generation(path, body, keep_alive)
     if method == b"GET" and path == b"/health":
         return _plain("200 OK", b"", keep_alive)
+    if method == b"GET" and path == b"/stats":
+        return _plain("200 OK", _dumps(STATS), keep_alive)
     if method == b"GET" and path == b"/v1/models":
         return _plain("200 OK", _dumps({"object": "list", "data": [
             {"id": "bench", "object": "model", "created": CREATED, "owned_by": "examlops-bench"}]}), keep_alive)
@@ -166,6 +172,7 @@ class StubProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        STATS["connections"] += 1
 
     def data_received(self, data: bytes) -> None:
         self.buf += data

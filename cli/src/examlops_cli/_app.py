@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from . import audit, dev, gateway, serve_llm
+from . import audit, dev, gateway, models, serve_llm, serve_llm_engine
 from ._output import Ctx
 
 app = typer.Typer(
@@ -19,6 +19,9 @@ app.add_typer(serve, name="serve")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(audit.app, name="audit")
 app.add_typer(dev.app, name="dev")
+app.add_typer(models.app, name="models")
+
+del serve_llm_engine  # its commands attach to `exa serve llm`
 
 
 def main() -> None:

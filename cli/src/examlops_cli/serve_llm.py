@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from typing import Annotated, Any
 
@@ -16,7 +17,9 @@ from examlops.svc import error_reason, parse_state, state_name
 
 from ._chat import build_messages
 from ._pack import check_block, pack_block
-from ._output import Ctx, console, emit_json, endpoint_dict, fail, message_dict, table
+from rich.markup import escape
+
+from ._output import Ctx, console, emit_json, endpoint_dict, err_console, fail, message_dict, table
 from ._rpc import call, rpc_fail, stub
 
 app = typer.Typer(help="Serve LLMs and VLMs with vLLM: one command surface on every substrate.",
@@ -34,8 +37,15 @@ def start(
     engine: Annotated[str, typer.Option(help="Engine: vllm, vllm-server, vllm-inproc, sglang, echo.")] = "",
     served_model_name: Annotated[str, typer.Option(help="Model name the server expects.")] = "",
     project: Annotated[str, typer.Option(help="Project the endpoint is attributed to.")] = "",
+    nodes: Annotated[int, typer.Option(help="Nodes of the allocation (slurm, flux, kserve).")] = 1,
+    gpus: Annotated[int, typer.Option(help="GPUs PER NODE: --nodes 2 --gpus 4 is eight GPUs.")] = 0,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size (within a node); overrides the block.")] = 0,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline parallel size (across nodes); overrides the block.")] = 0,
+    partition: Annotated[str, typer.Option(help="Scheduler partition (queue).")] = "",
+    walltime: Annotated[str, typer.Option(help="Job time limit, e.g. 04:00:00.")] = "",
+    port: Annotated[int, typer.Option(help="Serving port on the node (default: the block's, else 8000).")] = 0,
     replace: Annotated[bool, typer.Option("--replace", help="Replace a STARTING or READY endpoint.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would happen; change nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print exactly what would be submitted; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Start (or, with the external launcher, register) an endpoint.
@@ -52,21 +62,52 @@ def start(
     base_url = base_url or str(block.get("base_url") or "")
     req = la.StartRequest(name=model, launcher=launcher, base_url=base_url, hf_model=hf_model,
                           engine_block_json=orjson.dumps(block).decode() if block else "",
-                          project=project, actor=Ctx.actor(), replace=replace)
+                          project=project, actor=Ctx.actor(), replace=replace, nodes=nodes,
+                          gpus_per_node=gpus, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                          partition=partition, walltime=walltime, port=port)
     plan = call("launcher", "Plan", req)
     if dry_run:
-        emit_json(message_dict(plan)) if Ctx.json else console.print(plan.summary)
+        emit_json(message_dict(plan)) if Ctx.json else print_plan(plan)
         return
-    if launcher != "external" and not yes and not typer.confirm(f"{plan.summary}\nProceed?"):
-        fail("cancelled")
-    resp = call("launcher", "Start", req)
+    if launcher != "external" and not yes:
+        confirm(plan.summary)
+    resp = call("launcher", "Start", req, timeout=max(Ctx.settings().rpc_timeout_s, 120))
     if Ctx.json:
         emit_json(endpoint_dict(resp.endpoint))
         return
     ep = resp.endpoint
     console.print(f"endpoint [bold]{ep.name}[/] registered: {state_name(ep.state)} "
                   f"{ep.base_url or '(no address)'} via {ep.launcher}"
-                  + (f" — {ep.state_reason}" if ep.state_reason else ""))
+                  + (f"{' job ' + ep.job_id if ep.job_id else ''} — {escape(ep.state_reason)}"
+                     if ep.state_reason else ""), highlight=False)
+
+
+def print_plan(plan: la.LaunchPlan) -> None:
+    """Exactly what would be submitted, verbatim (no markup): script, manifest, files, env, commands."""
+    out = [f"# {plan.summary}"]
+    if plan.script:
+        out += ["# --- job script ---", plan.script.rstrip("\n")]
+    if plan.manifest:
+        out += ["# --- manifest ---", plan.manifest.rstrip("\n")]
+    for path, content in plan.files.items():
+        if content not in (plan.script, plan.manifest):
+            out += [f"# --- file {path} ---", content.rstrip("\n")]
+    if plan.env:
+        out += ["# --- environment (secrets redacted) ---", *[f"{k}={v}" for k, v in sorted(plan.env.items())]]
+    if plan.argv:
+        out += ["# --- engine argv ---", shlex.join(plan.argv)]
+    if plan.commands:
+        out += ["# --- commands ---", *plan.commands]
+    typer.echo("\n".join(out))
+
+
+def confirm(summary: str) -> None:
+    try:
+        agreed = typer.confirm(f"{summary}\nProceed?")
+    except (typer.Abort, EOFError):
+        agreed = False
+    if not agreed:
+        fail("cancelled (pass --yes to skip the confirmation)")
 
 
 @app.command("list")
@@ -91,7 +132,8 @@ def list_(
 @app.command()
 def health(model: Model) -> None:
     """Probe the server and reconcile the recorded state; exit 1 when not ready (a CI gate)."""
-    resp = call("launcher", "Health", la.HealthRequest(name=model, actor=Ctx.actor()))
+    resp = call("launcher", "Health", la.HealthRequest(name=model, actor=Ctx.actor()),
+                timeout=max(Ctx.settings().rpc_timeout_s, 60))
     if Ctx.json:
         emit_json({"ready": resp.ready, "detail": resp.detail, "endpoint": endpoint_dict(resp.endpoint)})
     else:
@@ -102,8 +144,8 @@ def health(model: Model) -> None:
 
 @app.command()
 def status(model: Model) -> None:
-    """Registry record, the substrate's view and live engine metrics."""
-    resp = call("launcher", "Status", la.StatusRequest(name=model))
+    """Registry record, the substrate's view (job or container state) and live vLLM metrics."""
+    resp = call("launcher", "Status", la.StatusRequest(name=model), timeout=max(Ctx.settings().rpc_timeout_s, 60))
     if Ctx.json:
         emit_json({"endpoint": endpoint_dict(resp.endpoint), "substrate": dict(resp.substrate),
                    "metrics": dict(resp.metrics)})
@@ -113,21 +155,31 @@ def status(model: Model) -> None:
     if resp.substrate:
         table("Substrate", ["field", "value"], sorted(resp.substrate.items()))
     if resp.metrics:
-        table("Engine metrics", ["metric", "value"], sorted(resp.metrics.items()))
+        table("vLLM metrics (live, from /metrics)", ["metric", "value"],
+              [[k, f"{v:.4g}"] for k, v in sorted(resp.metrics.items())])
 
 
 @app.command()
 def stop(
     model: Model,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what the stop would run; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Stop the endpoint (cancel its job or container) and mark it STOPPED."""
-    del yes
-    resp = call("launcher", "Stop", la.StopRequest(name=model, actor=Ctx.actor()))
+    """Stop the endpoint (cancel its HPC job or stop its compose service) and mark it STOPPED."""
+    timeout = max(Ctx.settings().rpc_timeout_s, 120)
+    preview = call("launcher", "Stop", la.StopRequest(name=model, actor=Ctx.actor(), dry_run=True), timeout=timeout)
+    if dry_run:
+        emit_json(message_dict(preview.plan)) if Ctx.json else print_plan(preview.plan)
+        return
+    if preview.endpoint.launcher not in ("", "external") and not yes:
+        confirm(preview.plan.summary)
+    resp = call("launcher", "Stop", la.StopRequest(name=model, actor=Ctx.actor()), timeout=timeout)
     if Ctx.json:
         emit_json(endpoint_dict(resp.endpoint))
     else:
-        console.print(f"endpoint [bold]{model}[/] {state_name(resp.endpoint.state)}")
+        console.print(f"endpoint [bold]{model}[/] {state_name(resp.endpoint.state)}"
+                      + (f" — {escape(resp.endpoint.state_reason)}" if resp.endpoint.state_reason else ""),
+                      highlight=False)
 
 
 @app.command()
@@ -145,10 +197,11 @@ def chat(
         fail(str(exc))
     body = {"model": model, "messages": messages, "stream": stream, "max_tokens": max_tokens}
     req = ep_pb.GenerateRequest(endpoint=model, kind=ep_pb.REQUEST_KIND_CHAT, body_json=orjson.dumps(body))
-    text, usage, dropped = [], None, 0
+    text, usage, dropped, notes = [], None, 0, []
     try:
         for chunk in stub("engine-proxy").Generate(req, timeout=Ctx.settings().rpc_timeout_s * 40):
             dropped = dropped or chunk.media_parts_dropped
+            notes.extend(chunk.warnings)
             if chunk.HasField("usage"):
                 usage = chunk.usage
             if not chunk.data:
@@ -166,11 +219,11 @@ def chat(
         if reason and reason.startswith("media_"):
             fail(f"{reason}: {exc.details()} (at {param})")  # type: ignore[attr-defined]
         rpc_fail("engine-proxy", exc)
-    if dropped:
-        console.print(f"[yellow]warning:[/] {model} is text-only: {dropped} media part(s) dropped", style="dim")
+    for note in notes:
+        err_console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     if Ctx.json:
         emit_json({"content": "".join(text), "usage": message_dict(usage) if usage else None,
-                   "media_parts_dropped": dropped})
+                   "media_parts_dropped": dropped, "warnings": notes})
     elif stream:
         sys.stdout.write("\n")
     else:

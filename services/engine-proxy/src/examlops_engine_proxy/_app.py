@@ -19,7 +19,8 @@ from examlops.svc import (
     watch_routes,
 )
 
-from ._service import EnginePool, EngineProxyServicer
+from ._pool import EnginePool
+from ._service import EngineProxyServicer
 from ._settings import EngineProxySettings
 
 SERVICE = "examlops.engineproxy.v1.EngineProxy"

@@ -10,22 +10,12 @@ import orjson
 
 from examlops.mediaguard.v1 import mediaguard_pb2 as mg
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
+from examlops.mediaparts import has_media
 from examlops.svc import error_reason
 
 from ._errors import AllBackendsFailed, MediaRejected
 
-
-def has_media(messages: Any) -> bool:
-    """True when any message carries a non-text content part (the only case that needs the hop)."""
-    if not isinstance(messages, list):
-        return False
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(
-            not (isinstance(p, dict) and p.get("type") == "text") for p in content
-        ):
-            return True
-    return False
+__all__ = ["guard_messages", "has_media", "policy_json"]
 
 
 def policy_json(engine_block_json: str) -> str:

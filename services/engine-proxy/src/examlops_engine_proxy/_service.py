@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,9 +16,10 @@ from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import RouteTable, abort, state_name, unroutable_reason
 
-from ._engines import EchoEngine, Engine, Generation, VllmServerEngine
+from ._engines import Generation
 from ._errors import EngineError, RouteNotFound
 from ._media import guard_messages, has_media
+from ._pool import EnginePool
 from ._settings import EngineProxySettings
 
 log = logging.getLogger(__name__)
@@ -29,59 +28,6 @@ MEDIA_DROPPED = Counter("examlops_engine_media_parts_dropped_total",
                         "Media parts removed from requests to text-only endpoints.", ["endpoint"])
 GENERATIONS = Counter("examlops_engine_generations_total", "Generate calls by endpoint and outcome.",
                       ["endpoint", "outcome"])
-
-
-class EnginePool:
-    """One engine instance per endpoint, rebuilt when its engine or address changes."""
-
-    def __init__(self, settings: EngineProxySettings) -> None:
-        self.settings = settings
-        self._engines: dict[str, tuple[tuple[str, str, str], Engine]] = {}
-        self._retired: list[Engine] = []
-
-    def engine_for(self, ep: reg.Endpoint) -> Engine:
-        key = (ep.engine, ep.base_url, ep.served_model_name)
-        current = self._engines.get(ep.name)
-        if current is not None and current[0] == key:
-            return current[1]
-        engine = self._build(ep)
-        if current is not None:
-            self._retired.append(current[1])
-        self._engines[ep.name] = (key, engine)
-        return engine
-
-    def _build(self, ep: reg.Endpoint) -> Engine:
-        if ep.engine == "echo":
-            return EchoEngine(ep.served_model_name or ep.name)
-        s = self.settings
-        api_key = _api_key(ep)
-        return VllmServerEngine(ep.name, ep.base_url, api_key=api_key, connect_timeout_s=s.connect_timeout_s,
-                                read_timeout_s=s.read_timeout_s, max_connections=s.max_connections_per_endpoint)
-
-    def forget(self, name: str) -> None:
-        current = self._engines.pop(name, None)
-        if current is not None:
-            self._retired.append(current[1])
-
-    async def aclose(self) -> None:
-        for _key, engine in self._engines.values():
-            await engine.aclose()
-        for engine in self._retired:
-            await engine.aclose()
-
-
-def _api_key(ep: reg.Endpoint) -> str:
-    """The server's API key, from the environment variable the block's api_key_secret_ref names."""
-    if not ep.engine_block_json:
-        return ""
-    ref = orjson.loads(ep.engine_block_json).get("api_key_secret_ref")
-    if not ref:
-        return ""
-    value = os.environ.get(str(ref).removeprefix("env:"), "")
-    if not value:
-        warnings.warn(f"endpoint {ep.name!r}: secret {ref!r} is not set in engine-proxy's environment; "
-                      "calling the server without a key", RuntimeWarning, stacklevel=2)
-    return value
 
 
 class EngineProxyServicer(pb_grpc.EngineProxyServicer):
@@ -93,7 +39,7 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
         self.mediaguard = mediaguard
 
     def resolve(self, name: str) -> reg.Endpoint:
-        ep = self.table.get(name)
+        ep = self.table.get(name) or self.pool.pack_endpoint(name)
         if ep is None:
             known = ", ".join(sorted(e.name for e in self.table.routable())) or "none"
             raise RouteNotFound(f"no endpoint named {name!r} (routable: {known})", "model")
@@ -111,23 +57,27 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
             except orjson.JSONDecodeError:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
                             "request body is not JSON", "")
+            entry = self.pool.entry_for(ep)
+            notes = [entry.warning] if entry.warning else []
             dropped = 0
             if request.kind == pb.REQUEST_KIND_CHAT and has_media(body.get("messages")):
                 body["messages"], dropped = await guard_messages(
                     self.mediaguard, ep.name, body["messages"], ep.engine_block_json)
                 if dropped:
                     MEDIA_DROPPED.labels(ep.name).inc(dropped)
-                    log.warning("endpoint %s is text-only: dropped %d media part(s)", ep.name, dropped)
+                    notes.append(f"endpoint {ep.name!r} is text-only: dropped {dropped} media part(s)")
+                    log.warning("%s", notes[-1])
             body["model"] = ep.served_model_name or ep.name
             stream = bool(body.get("stream"))
             opts = body.get("stream_options")
             gen = Generation(kind=request.kind, body=body, stream=stream, endpoint=ep.name,
                              want_usage_chunk=stream and isinstance(opts, dict) and bool(opts.get("include_usage")))
             first = True
-            async for chunk in self.pool.engine_for(ep).generate(gen):
-                if first and dropped:
+            async for chunk in entry.engine.generate(gen):
+                if first:
                     chunk.media_parts_dropped = dropped
-                first = False
+                    chunk.warnings.extend(notes)
+                    first = False
                 yield chunk
             outcome = "ok"
         except EngineError as exc:

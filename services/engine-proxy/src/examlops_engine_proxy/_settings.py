@@ -16,6 +16,8 @@ class EngineProxySettings(ServiceSettings):
                                  description="Mediaguard gRPC address, called for requests with media.")
     vllm_base_url: str = Field(default="",
                                description="Server for pack models that have no engine.base_url.")
+    usecase_dir: str = Field(default="", description="Use-case packs; their models answer without a "
+                                                     "registration (EXAMLOPS_USECASE_DIR).")
     connect_timeout_s: float = Field(default=3.0, gt=0, description="Connect timeout to an engine.")
     read_timeout_s: float = Field(default=600.0, gt=0,
                                   description="Longest silence from an engine before the call fails.")

@@ -31,6 +31,7 @@ LATENCY = Histogram("examlops_gateway_request_seconds", "Time to the response he
                     ["model"], buckets=(0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 120))
 
 MEDIA_HEADER = "x-examlops-media-parts-dropped"
+WARNING_HEADER = "x-examlops-warning"
 
 
 def _state(request: Request) -> GatewayState:
@@ -78,11 +79,21 @@ async def _generate(state: GatewayState, kind: int, raw: bytes, model: str, stre
         REQUESTS.labels(model, "502").inc()
         raise OpenAIError(502, f"endpoint:{model} returned nothing", type="AllBackendsFailed",
                           code="all_backends_failed")
-    headers = {MEDIA_HEADER: str(first.media_parts_dropped)} if first.media_parts_dropped else None
+    headers = _notice_headers(first)
     REQUESTS.labels(model, "200").inc()
     if not stream:
         return Response(first.data, media_type="application/json", headers=headers)
     return StreamingResponse(_sse(call, first, model), media_type="text/event-stream", headers=headers)
+
+
+def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
+    """What engine-proxy wants the client to know (dropped media, a degraded engine)."""
+    if not first.media_parts_dropped and not first.warnings:
+        return None
+    headers = {WARNING_HEADER: "; ".join(first.warnings).encode("ascii", "replace").decode()}
+    if first.media_parts_dropped:
+        headers[MEDIA_HEADER] = str(first.media_parts_dropped)
+    return headers
 
 
 async def _sse(call: Any, first: pb.GenerateChunk, model: str) -> AsyncIterator[bytes]:

@@ -15,7 +15,8 @@ class StreamOptions(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
+    # Parts are judged by mediaguard (engine-proxy calls it), which names the offending part.
+    content: str | list[Any] | None = None
 
 
 class _Common(BaseModel):

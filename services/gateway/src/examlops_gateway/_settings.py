@@ -20,3 +20,26 @@ class GatewaySettings(ServiceSettings):
                                 description="Largest request body accepted (413 above it).")
     request_timeout_s: float = Field(default=600.0, gt=0,
                                      description="Deadline of one generation through engine-proxy.")
+    # --- governance (virtual keys, budgets, rate limits, cost records) -------------------------
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0",
+                           description="Redis holding virtual keys, budgets, rate limits and cost records.")
+    price_refresh_s: float = Field(default=5.0, gt=0,
+                                   description="How often the price table is fetched from the registry.")
+    default_max_tokens: int = Field(default=4096, ge=1,
+                                    description="Output bound sent to the engine for budgeted or TPM-limited keys "
+                                                "when the client sets no max_tokens.")
+    prompt_overhead_tokens: int = Field(default=64, ge=0,
+                                        description="Tokens added to the prompt estimate for the chat template.")
+    media_part_tokens: int = Field(default=4096, ge=0,
+                                   description="Prompt tokens reserved per image/audio/video part.")
+    heartbeat_s: float = Field(default=5.0, gt=0,
+                               description="How often this replica tells Redis it is alive.")
+    replica_ttl_s: float = Field(default=15.0, gt=0,
+                                 description="A replica silent this long is dead; its reservations are reaped.")
+    reaper_interval_s: float = Field(default=15.0, gt=0,
+                                     description="How often reservations of dead replicas are returned.")
+    reservation_grace_s: float = Field(default=60.0, ge=0,
+                                       description="A reservation older than request_timeout_s plus this is "
+                                                   "reaped even if its replica looks alive.")
+    cost_retention_days: float = Field(default=90.0, ge=0,
+                                       description="Cost records older than this are trimmed; 0 keeps them all.")

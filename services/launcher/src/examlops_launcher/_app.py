@@ -11,6 +11,7 @@ from examlops.launcher.v1 import launcher_pb2_grpc as pb_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import build_grpc_server, configure_logging, insecure_channel, load_settings, serve_until_signal
 
+from ._adapters import build_adapters
 from ._service import LauncherServicer
 from ._settings import LauncherSettings
 
@@ -20,13 +21,16 @@ SERVICE = "examlops.launcher.v1.Launcher"
 async def run(settings: LauncherSettings) -> None:
     channel = insecure_channel(settings.registry_addr)
     http = httpx.AsyncClient()
-    servicer = LauncherServicer(settings, reg_grpc.RegistryStub(channel), http)
+    adapters = build_adapters(settings)
+    servicer = LauncherServicer(settings, reg_grpc.RegistryStub(channel), http, adapters)
     server, port, health = build_grpc_server(
         settings.host, settings.port, lambda s: pb_grpc.add_LauncherServicer_to_server(servicer, s), [SERVICE])
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
 
     async def stop() -> None:
+        for adapter in adapters.values():
+            await adapter.close()
         await http.aclose()
         await channel.close()
 

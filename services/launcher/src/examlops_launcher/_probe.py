@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import ADDRESSLESS_ENGINES
+
+#: vLLM's gauges and counters an operator looks at first, summed over their label sets.
+_SUMMED = {
+    "vllm:num_requests_running": "requests_running",
+    "vllm:num_requests_waiting": "requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",          # older vLLM releases
+    "vllm:prompt_tokens": "prompt_tokens_total",
+    "vllm:generation_tokens": "generation_tokens_total",
+    "vllm:request_success": "requests_finished_total",
+}
+_TTFT = "vllm:time_to_first_token_seconds"
 
 
 async def probe(client: httpx.AsyncClient, ep: reg.Endpoint, timeout_s: float) -> tuple[bool, str]:
@@ -22,3 +35,40 @@ async def probe(client: httpx.AsyncClient, ep: reg.Endpoint, timeout_s: float) -
     if resp.status_code == 200:
         return True, f"{url} answered 200"
     return False, f"{url} answered {resp.status_code}"
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """The headline numbers of a vLLM /metrics page (TTFT as a mean over the server's life)."""
+    out: dict[str, float] = {}
+    ttft_sum = ttft_count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{_TTFT}_sum":
+                ttft_sum += sample.value
+            elif sample.name == f"{_TTFT}_count":
+                ttft_count += sample.value
+            else:
+                name = sample.name.removesuffix("_total")
+                if name in _SUMMED and not sample.name.endswith("_created"):
+                    key = _SUMMED[name]
+                    out[key] = out.get(key, 0.0) + sample.value
+    if ttft_count:
+        out["ttft_mean_s"] = ttft_sum / ttft_count
+        out["ttft_requests"] = ttft_count
+    return out
+
+
+async def read_metrics(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> tuple[dict[str, float], str]:
+    """(metrics, error): the server's live metrics, or why there are none."""
+    if not base_url:
+        return {}, "no address yet"
+    try:
+        resp = await client.get(f"{base_url}/metrics", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return {}, f"{base_url}/metrics unreachable: {type(exc).__name__}"
+    if resp.status_code != 200:
+        return {}, f"{base_url}/metrics answered {resp.status_code}"
+    try:
+        return parse_vllm_metrics(resp.text), ""
+    except ValueError as exc:
+        return {}, f"{base_url}/metrics is not Prometheus text: {exc}"

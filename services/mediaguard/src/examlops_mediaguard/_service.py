@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import grpc
 import orjson
 from prometheus_client import Counter
 from pydantic import ValidationError
 
-import grpc
 from examlops.engine._multimodal import MultimodalPolicy
 from examlops.mediaguard.v1 import mediaguard_pb2 as pb
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as pb_grpc

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from examlops.engine._multimodal import MultimodalPolicy
+from examlops.mediaparts import MEDIA_FIELDS, TEXT_PART_TYPES, has_media, is_text_type
 
 from ._data import INPUT_AUDIO_FORMATS, check_base64_payload, check_data_url
 from ._errors import (
@@ -54,22 +55,6 @@ __all__ = [
     "validate_messages",
 ]
 
-TEXT_PART_TYPES: Final = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"})
-#: Fields an engine may read media from, whatever the part's declared type.
-MEDIA_FIELDS: Final = frozenset(
-    {
-        "image_url",
-        "input_audio",
-        "audio_url",
-        "video_url",
-        "image_embeds",
-        "audio_embeds",
-        "video_embeds",
-        "prompt_embeds",
-        "image_pil",
-        "uuid",
-    }
-)
 #: URL-carrying part types: the media kind and the field that holds the URL.
 _URL_PARTS: Final = {
     "image_url": ("image", "image_url"),
@@ -133,30 +118,6 @@ def validate_messages(messages: list[dict[str, Any]], policy: MultimodalPolicy) 
     return ValidatedMessages(out, dict(checker.counts))
 
 
-def has_media(messages: Any) -> bool:
-    """Whether ``messages`` need validating: True unless every part is plainly text.
-
-    When in doubt (malformed shapes, unknown part types) the answer is True, because a False
-    skips validation altogether.
-    """
-    if not isinstance(messages, list):
-        return True
-    for message in messages:
-        if not isinstance(message, dict):
-            return True
-        content = message.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            return True
-        for part in content:
-            if isinstance(part, str):
-                continue
-            if not isinstance(part, dict) or not _is_plain_text(part):
-                return True
-    return False
-
-
 def strip_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """Drop every media part (for text-only endpoints); return new messages and how many went.
 
@@ -175,7 +136,7 @@ def strip_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], i
         for part in content:
             if isinstance(part, str):
                 kept.append(part)
-            elif isinstance(part, dict) and _is_text_type(part.get("type")):
+            elif isinstance(part, dict) and is_text_type(part.get("type")):
                 if MEDIA_FIELDS.isdisjoint(part):
                     kept.append(dict(part))
                 else:
@@ -185,14 +146,6 @@ def strip_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], i
                 dropped += 1
         out.append({**message, "content": kept})
     return out, dropped
-
-
-def _is_text_type(part_type: Any) -> bool:
-    return isinstance(part_type, str) and part_type in TEXT_PART_TYPES
-
-
-def _is_plain_text(part: dict[str, Any]) -> bool:
-    return _is_text_type(part.get("type")) and MEDIA_FIELDS.isdisjoint(part)
 
 
 class _PartChecker:

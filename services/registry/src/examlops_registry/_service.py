@@ -12,6 +12,8 @@ from examlops.registry.v1 import registry_pb2 as pb
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 from examlops.svc import abort, state_name
 
+from ._hpc_jobs import HpcJobServicerMixin, HpcJobStore
+from ._prices import PricesServicerMixin, PriceStore
 from ._store import Conflict, NotFound, RegistryStore
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -65,9 +67,11 @@ def normalise_registration(ep: pb.Endpoint) -> pb.Endpoint:
     return out
 
 
-class RegistryServicer(pb_grpc.RegistryServicer):
+class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.RegistryServicer):
     def __init__(self, store: RegistryStore) -> None:
         self.store = store
+        self.hpc_jobs = HpcJobStore(store.r)
+        self.prices = PriceStore(store.r)
 
     async def RegisterEndpoint(self, request: pb.RegisterEndpointRequest, context: grpc.aio.ServicerContext) -> pb.Endpoint:
         try:

@@ -4,8 +4,9 @@ Keys share the `{exa:reg}` hash tag so every multi-key transaction runs on Redis
   {exa:reg}:endpoints  HASH   name -> Endpoint (protobuf JSON)
   {exa:reg}:changes    STREAM kind, name, endpoint   (watch feed; trimmed to about 10k entries)
   {exa:reg}:audit      STREAM actor, action, target, before, after, time_ms  (append-only)
-A mutation writes the record, its change event and its audit event in one MULTI/EXEC guarded
-by WATCH, so none of the three exists without the others.
+  {exa:reg}:project_resources  HASH "serving_endpoint:<name>" -> ProjectResource (protobuf JSON)
+A mutation writes the record, its change event, its audit event and the endpoint's project
+attribution in one MULTI/EXEC guarded by WATCH, so none exists without the others.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from examlops.registry.v1 import registry_pb2 as pb
 ENDPOINTS = "{exa:reg}:endpoints"
 CHANGES = "{exa:reg}:changes"
 AUDIT = "{exa:reg}:audit"
+PROJECT_RESOURCES = "{exa:reg}:project_resources"
 CHANGES_MAXLEN = 10_000
 
 
@@ -91,10 +93,23 @@ class RegistryStore:
                                   maxlen=CHANGES_MAXLEN, approximate=True)
                     pipe.xadd(AUDIT, self._audit_fields(actor, action, f"endpoint:{name}",
                                                         before_json, after_json, t))
+                    self._attribute(pipe, name, after)
                     await pipe.execute()
                     return after
                 except WatchError:
                     continue
+
+    @staticmethod
+    def _attribute(pipe: redis.client.Pipeline, name: str, after: pb.Endpoint | None) -> None:
+        """Record the endpoint as its project's resource (kind serving_endpoint), or forget it."""
+        field = f"serving_endpoint:{name}"
+        if after is None or not after.project:
+            pipe.hdel(PROJECT_RESOURCES, field)
+            return
+        res = pb.ProjectResource(project=after.project, kind="serving_endpoint", name=name,
+                                 created_at_ms=after.created_at_ms)
+        pipe.hset(PROJECT_RESOURCES, field, json_format.MessageToJson(res, indent=None,
+                                                                      preserving_proto_field_name=True))
 
     @staticmethod
     def _audit_fields(actor: str, action: str, target: str, before: str, after: str, t: int) -> dict[str, str]:

@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)examlops/engineproxy/v1/engineproxy.proto\x12\x17\x65xamlops.engineproxy.v1\"~\n\x0fGenerateRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.examlops.engineproxy.v1.RequestKind\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"x\n\rGenerateChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12-\n\x05usage\x18\x03 \x01(\x0b\x32\x1e.examlops.engineproxy.v1.Usage\x12\x1b\n\x13media_parts_dropped\x18\x04 \x01(\x05\"\x13\n\x11ListRoutesRequest\"X\n\x05Route\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08routable\x18\x05 \x01(\x08\"D\n\x12ListRoutesResponse\x12.\n\x06routes\x18\x01 \x03(\x0b\x32\x1e.examlops.engineproxy.v1.Route*_\n\x0bRequestKind\x12\x1c\n\x18REQUEST_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11REQUEST_KIND_CHAT\x10\x01\x12\x1b\n\x17REQUEST_KIND_COMPLETION\x10\x02\x32\xd4\x01\n\x0b\x45ngineProxy\x12^\n\x08Generate\x12(.examlops.engineproxy.v1.GenerateRequest\x1a&.examlops.engineproxy.v1.GenerateChunk0\x01\x12\x65\n\nListRoutes\x12*.examlops.engineproxy.v1.ListRoutesRequest\x1a+.examlops.engineproxy.v1.ListRoutesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)examlops/engineproxy/v1/engineproxy.proto\x12\x17\x65xamlops.engineproxy.v1\"~\n\x0fGenerateRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.examlops.engineproxy.v1.RequestKind\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x8a\x01\n\rGenerateChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12-\n\x05usage\x18\x03 \x01(\x0b\x32\x1e.examlops.engineproxy.v1.Usage\x12\x1b\n\x13media_parts_dropped\x18\x04 \x01(\x05\x12\x10\n\x08warnings\x18\x05 \x03(\t\"\x13\n\x11ListRoutesRequest\"X\n\x05Route\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08routable\x18\x05 \x01(\x08\"D\n\x12ListRoutesResponse\x12.\n\x06routes\x18\x01 \x03(\x0b\x32\x1e.examlops.engineproxy.v1.Route*_\n\x0bRequestKind\x12\x1c\n\x18REQUEST_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11REQUEST_KIND_CHAT\x10\x01\x12\x1b\n\x17REQUEST_KIND_COMPLETION\x10\x02\x32\xd4\x01\n\x0b\x45ngineProxy\x12^\n\x08Generate\x12(.examlops.engineproxy.v1.GenerateRequest\x1a&.examlops.engineproxy.v1.GenerateChunk0\x01\x12\x65\n\nListRoutes\x12*.examlops.engineproxy.v1.ListRoutesRequest\x1a+.examlops.engineproxy.v1.ListRoutesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'examlops.engineproxy.v1.engineproxy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTKIND']._serialized_start=560
-  _globals['_REQUESTKIND']._serialized_end=655
+  _globals['_REQUESTKIND']._serialized_start=579
+  _globals['_REQUESTKIND']._serialized_end=674
   _globals['_GENERATEREQUEST']._serialized_start=70
   _globals['_GENERATEREQUEST']._serialized_end=196
   _globals['_USAGE']._serialized_start=198
   _globals['_USAGE']._serialized_end=255
-  _globals['_GENERATECHUNK']._serialized_start=257
-  _globals['_GENERATECHUNK']._serialized_end=377
-  _globals['_LISTROUTESREQUEST']._serialized_start=379
-  _globals['_LISTROUTESREQUEST']._serialized_end=398
-  _globals['_ROUTE']._serialized_start=400
-  _globals['_ROUTE']._serialized_end=488
-  _globals['_LISTROUTESRESPONSE']._serialized_start=490
-  _globals['_LISTROUTESRESPONSE']._serialized_end=558
-  _globals['_ENGINEPROXY']._serialized_start=658
-  _globals['_ENGINEPROXY']._serialized_end=870
+  _globals['_GENERATECHUNK']._serialized_start=258
+  _globals['_GENERATECHUNK']._serialized_end=396
+  _globals['_LISTROUTESREQUEST']._serialized_start=398
+  _globals['_LISTROUTESREQUEST']._serialized_end=417
+  _globals['_ROUTE']._serialized_start=419
+  _globals['_ROUTE']._serialized_end=507
+  _globals['_LISTROUTESRESPONSE']._serialized_start=509
+  _globals['_LISTROUTESRESPONSE']._serialized_end=577
+  _globals['_ENGINEPROXY']._serialized_start=677
+  _globals['_ENGINEPROXY']._serialized_end=889
 # @@protoc_insertion_point(module_scope)

@@ -38,16 +38,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("data", "final", "usage", "media_parts_dropped")
+    __slots__ = ("data", "final", "usage", "media_parts_dropped", "warnings")
     DATA_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MEDIA_PARTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     final: bool
     usage: Usage
     media_parts_dropped: int
-    def __init__(self, data: _Optional[bytes] = ..., final: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., media_parts_dropped: _Optional[int] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, data: _Optional[bytes] = ..., final: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., media_parts_dropped: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRoutesRequest(_message.Message):
     __slots__ = ()

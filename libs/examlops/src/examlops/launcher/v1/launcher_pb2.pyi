@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartRequest(_message.Message):
-    __slots__ = ("name", "launcher", "base_url", "hf_model", "engine_block_json", "project", "nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "partition", "walltime", "actor", "replace")
+    __slots__ = ("name", "launcher", "base_url", "hf_model", "engine_block_json", "project", "nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "partition", "walltime", "actor", "replace", "port")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class StartRequest(_message.Message):
     WALLTIME_FIELD_NUMBER: _ClassVar[int]
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
     name: str
     launcher: str
     base_url: str
@@ -38,11 +39,19 @@ class StartRequest(_message.Message):
     walltime: str
     actor: str
     replace: bool
-    def __init__(self, name: _Optional[str] = ..., launcher: _Optional[str] = ..., base_url: _Optional[str] = ..., hf_model: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., project: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., partition: _Optional[str] = ..., walltime: _Optional[str] = ..., actor: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+    port: int
+    def __init__(self, name: _Optional[str] = ..., launcher: _Optional[str] = ..., base_url: _Optional[str] = ..., hf_model: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., project: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., partition: _Optional[str] = ..., walltime: _Optional[str] = ..., actor: _Optional[str] = ..., replace: _Optional[bool] = ..., port: _Optional[int] = ...) -> None: ...
 
 class LaunchPlan(_message.Message):
-    __slots__ = ("launcher", "argv", "env", "script", "manifest", "commands", "summary")
+    __slots__ = ("launcher", "argv", "env", "script", "manifest", "commands", "summary", "files", "endpoint_file", "transport")
     class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +65,9 @@ class LaunchPlan(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     COMMANDS_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FILE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     launcher: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.ScalarMap[str, str]
@@ -63,7 +75,10 @@ class LaunchPlan(_message.Message):
     manifest: str
     commands: _containers.RepeatedScalarFieldContainer[str]
     summary: str
-    def __init__(self, launcher: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., script: _Optional[str] = ..., manifest: _Optional[str] = ..., commands: _Optional[_Iterable[str]] = ..., summary: _Optional[str] = ...) -> None: ...
+    files: _containers.ScalarMap[str, str]
+    endpoint_file: str
+    transport: str
+    def __init__(self, launcher: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., script: _Optional[str] = ..., manifest: _Optional[str] = ..., commands: _Optional[_Iterable[str]] = ..., summary: _Optional[str] = ..., files: _Optional[_Mapping[str, str]] = ..., endpoint_file: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class StartResponse(_message.Message):
     __slots__ = ("endpoint", "plan")
@@ -122,15 +137,19 @@ class HealthResponse(_message.Message):
     def __init__(self, endpoint: _Optional[_Union[_registry_pb2.Endpoint, _Mapping]] = ..., ready: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StopRequest(_message.Message):
-    __slots__ = ("name", "actor")
+    __slots__ = ("name", "actor", "dry_run")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACTOR_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     name: str
     actor: str
-    def __init__(self, name: _Optional[str] = ..., actor: _Optional[str] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, name: _Optional[str] = ..., actor: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class StopResponse(_message.Message):
-    __slots__ = ("endpoint",)
+    __slots__ = ("endpoint", "plan")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     endpoint: _registry_pb2.Endpoint
-    def __init__(self, endpoint: _Optional[_Union[_registry_pb2.Endpoint, _Mapping]] = ...) -> None: ...
+    plan: LaunchPlan
+    def __init__(self, endpoint: _Optional[_Union[_registry_pb2.Endpoint, _Mapping]] = ..., plan: _Optional[_Union[LaunchPlan, _Mapping]] = ...) -> None: ...

@@ -180,3 +180,145 @@ class ListAuditEventsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[AuditEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[AuditEvent, _Mapping]]] = ...) -> None: ...
+
+class HpcJob(_message.Message):
+    __slots__ = ("scheduler", "job_id", "kind", "name", "state", "project", "partition", "nodes", "gpus_per_node", "walltime", "work_dir", "script_path", "endpoint_file", "transport", "ssh_host", "base_url", "submitted_at_ms", "updated_at_ms")
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    WALLTIME_FIELD_NUMBER: _ClassVar[int]
+    WORK_DIR_FIELD_NUMBER: _ClassVar[int]
+    SCRIPT_PATH_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FILE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SSH_HOST_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    scheduler: str
+    job_id: str
+    kind: str
+    name: str
+    state: str
+    project: str
+    partition: str
+    nodes: int
+    gpus_per_node: int
+    walltime: str
+    work_dir: str
+    script_path: str
+    endpoint_file: str
+    transport: str
+    ssh_host: str
+    base_url: str
+    submitted_at_ms: int
+    updated_at_ms: int
+    def __init__(self, scheduler: _Optional[str] = ..., job_id: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., project: _Optional[str] = ..., partition: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., walltime: _Optional[str] = ..., work_dir: _Optional[str] = ..., script_path: _Optional[str] = ..., endpoint_file: _Optional[str] = ..., transport: _Optional[str] = ..., ssh_host: _Optional[str] = ..., base_url: _Optional[str] = ..., submitted_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ...) -> None: ...
+
+class RecordHpcJobRequest(_message.Message):
+    __slots__ = ("job", "actor")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    job: HpcJob
+    actor: str
+    def __init__(self, job: _Optional[_Union[HpcJob, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class ListHpcJobsRequest(_message.Message):
+    __slots__ = ("kind", "name")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ListHpcJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[HpcJob]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[HpcJob, _Mapping]]] = ...) -> None: ...
+
+class Price(_message.Message):
+    __slots__ = ("model", "input_micro_usd_per_mtok", "output_micro_usd_per_mtok", "updated_at_ms", "updated_by")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_MICRO_USD_PER_MTOK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_MICRO_USD_PER_MTOK_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_BY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input_micro_usd_per_mtok: int
+    output_micro_usd_per_mtok: int
+    updated_at_ms: int
+    updated_by: str
+    def __init__(self, model: _Optional[str] = ..., input_micro_usd_per_mtok: _Optional[int] = ..., output_micro_usd_per_mtok: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., updated_by: _Optional[str] = ...) -> None: ...
+
+class SetPriceRequest(_message.Message):
+    __slots__ = ("price", "actor")
+    PRICE_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    price: Price
+    actor: str
+    def __init__(self, price: _Optional[_Union[Price, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class ListPricesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPricesResponse(_message.Message):
+    __slots__ = ("prices",)
+    PRICES_FIELD_NUMBER: _ClassVar[int]
+    prices: _containers.RepeatedCompositeFieldContainer[Price]
+    def __init__(self, prices: _Optional[_Iterable[_Union[Price, _Mapping]]] = ...) -> None: ...
+
+class RemovePriceRequest(_message.Message):
+    __slots__ = ("model", "actor")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    actor: str
+    def __init__(self, model: _Optional[str] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class RemovePriceResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: Price
+    def __init__(self, removed: _Optional[_Union[Price, _Mapping]] = ...) -> None: ...
+
+class ProjectResource(_message.Message):
+    __slots__ = ("project", "kind", "name", "created_at_ms")
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    project: str
+    kind: str
+    name: str
+    created_at_ms: int
+    def __init__(self, project: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., created_at_ms: _Optional[int] = ...) -> None: ...
+
+class AttributeResourceRequest(_message.Message):
+    __slots__ = ("resource", "actor")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    resource: ProjectResource
+    actor: str
+    def __init__(self, resource: _Optional[_Union[ProjectResource, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class ListProjectResourcesRequest(_message.Message):
+    __slots__ = ("project", "kind")
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    project: str
+    kind: str
+    def __init__(self, project: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class ListProjectResourcesResponse(_message.Message):
+    __slots__ = ("resources",)
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    resources: _containers.RepeatedCompositeFieldContainer[ProjectResource]
+    def __init__(self, resources: _Optional[_Iterable[_Union[ProjectResource, _Mapping]]] = ...) -> None: ...

@@ -75,6 +75,16 @@ class RegistryStub:
                 request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListAuditEventsRequest.SerializeToString,
                 response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListAuditEventsResponse.FromString,
                 _registered_method=True)
+        self.RecordHpcJob = channel.unary_unary(
+                '/examlops.registry.v1.Registry/RecordHpcJob',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RecordHpcJobRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.HpcJob.FromString,
+                _registered_method=True)
+        self.ListHpcJobs = channel.unary_unary(
+                '/examlops.registry.v1.Registry/ListHpcJobs',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -129,6 +139,19 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordHpcJob(self, request, context):
+        """HPC jobs (kind=serve from the launcher; a training poller lists kind=train only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListHpcJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +194,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListAuditEvents,
                     request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListAuditEventsRequest.FromString,
                     response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListAuditEventsResponse.SerializeToString,
+            ),
+            'RecordHpcJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordHpcJob,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RecordHpcJobRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.HpcJob.SerializeToString,
+            ),
+            'ListHpcJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListHpcJobs,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +422,60 @@ class Registry:
             '/examlops.registry.v1.Registry/ListAuditEvents',
             examlops_dot_registry_dot_v1_dot_registry__pb2.ListAuditEventsRequest.SerializeToString,
             examlops_dot_registry_dot_v1_dot_registry__pb2.ListAuditEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordHpcJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/RecordHpcJob',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RecordHpcJobRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.HpcJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListHpcJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/ListHpcJobs',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

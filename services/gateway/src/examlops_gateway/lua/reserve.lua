@@ -1,0 +1,103 @@
+-- Admission of one request on one virtual key, in one round trip: authenticate, allow-list,
+-- budget (reserve the request's maximum cost), requests per minute and tokens per minute (GCRA).
+-- Every check runs before any write, so a refused request changes nothing.
+--
+-- KEYS[1] {vk:<id>}:key  HASH  the key: hash, models, budget, limits, counters (see _keys.py)
+-- KEYS[2] {vk:<id>}:res  HASH  open reservations, res_id -> "cost|tokens|ms_per_token|tpm_end|
+--                              replica|deadline_ms|model|max_tokens"
+-- ARGV  1 sha256 of the presented key      2 model             3 reservation id   4 replica id
+--       5 prompt tokens, an upper bound    6 prompt tokens x input micro-USD per Mtok
+--       7 n x output micro-USD per Mtok    8 n (choices)       9 max_tokens asked (0: none)
+--      10 max_tokens when none is asked and the key is bounded  11 priced (1/0)  12 lease in ms
+-- Returns {"ok", max_tokens, reserved micro-USD, tenant, project, bounded (1/0)}
+--      or {"deny", code, detail}
+-- Money is integer micro-USD; times are Redis' own clock in ms, shared by every replica.
+
+local function num(x) return tonumber(x) or 0 end
+local function split(s)
+  local p, i = {}, 1
+  while true do
+    local j = string.find(s, '|', i, true)
+    if not j then p[#p + 1] = string.sub(s, i); return p end
+    p[#p + 1] = string.sub(s, i, j - 1)
+    i = j + 1
+  end
+end
+local function int(x) return string.format('%d', x) end
+
+local f = redis.call('HMGET', KEYS[1], 'hash', 'revoked_ms', 'expires_ms', 'models', 'budget', 'spent',
+                     'reserved', 'rpm', 'rpm_tat', 'tpm', 'tpm_tat', 'tenant', 'project')
+if not f[1] or f[1] ~= ARGV[1] then return {'deny', 'invalid_api_key', ''} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+if num(f[2]) > 0 then return {'deny', 'key_revoked', ''} end
+if num(f[3]) > 0 and now >= num(f[3]) then return {'deny', 'key_expired', ''} end
+if not string.find(f[4] or '', ',' .. ARGV[2] .. ',', 1, true) then
+  return {'deny', 'model_not_allowed', f[4] or ''}
+end
+
+-- A retried call (the reply was lost) must not reserve twice: answer what was decided.
+local seen = redis.call('HGET', KEYS[2], ARGV[3])
+if seen then
+  local p = split(seen)
+  local bounded = (num(f[5]) >= 0 or num(f[10]) > 0) and '1' or '0'
+  return {'ok', p[8], p[1], f[12] or '', f[13] or '', bounded}
+end
+
+local budget, rpm, tpm = num(f[5]), num(f[8]), num(f[10])
+local prompt, pnum, onum, n = num(ARGV[5]), num(ARGV[6]), num(ARGV[7]), num(ARGV[8])
+local m = num(ARGV[9])
+local bounded = budget >= 0 or tpm > 0
+if bounded and m == 0 then m = num(ARGV[10]) end
+
+-- Tokens per minute: one request may not need more than the whole bucket.
+if tpm > 0 then
+  local room = math.floor((tpm - prompt) / n)
+  if room < 1 then return {'deny', 'tpm_too_small', int(tpm)} end
+  if m > room then m = room end
+end
+
+-- Budget: cap max_tokens to what is left, then reserve the request's maximum cost.
+local cost = 0
+if budget >= 0 then
+  if ARGV[11] ~= '1' then return {'deny', 'model_not_priced', ''} end
+  local avail = budget - num(f[6]) - num(f[7])
+  if onum > 0 then
+    local afford = math.floor((avail * 1000000 - pnum) / onum)
+    if afford < m then m = afford end
+  end
+  if m < 1 then return {'deny', 'budget_exceeded', int(avail)} end
+  cost = math.ceil((pnum + onum * m) / 1000000)
+  while cost > avail and m > 1 do  -- the division above is in floating point
+    m = m - 1
+    cost = math.ceil((pnum + onum * m) / 1000000)
+  end
+  if cost > avail then return {'deny', 'budget_exceeded', int(avail)} end
+end
+
+-- Requests per minute, GCRA: a burst of rpm, refilled at rpm per minute.
+local rpm_tat = 0
+if rpm > 0 then
+  rpm_tat = math.max(num(f[9]), now) + 60000 / rpm
+  if rpm_tat - now > 60000.001 then
+    return {'deny', 'rpm_exceeded', int(math.ceil(rpm_tat - now - 60000))}
+  end
+end
+
+-- Tokens per minute, GCRA over the request's token bound; settle gives back what was not used.
+local tokens, per_token, tpm_tat = 0, 0, 0
+if tpm > 0 then
+  tokens = prompt + n * m
+  per_token = 60000 / tpm
+  tpm_tat = math.max(num(f[11]), now) + tokens * per_token
+  if tpm_tat - now > 60000.001 then
+    return {'deny', 'tpm_exceeded', int(math.ceil(tpm_tat - now - 60000))}
+  end
+end
+
+if rpm > 0 then redis.call('HSET', KEYS[1], 'rpm_tat', string.format('%.3f', rpm_tat)) end
+if tpm > 0 then redis.call('HSET', KEYS[1], 'tpm_tat', string.format('%.3f', tpm_tat)) end
+if cost > 0 then redis.call('HINCRBY', KEYS[1], 'reserved', int(cost)) end
+redis.call('HSET', KEYS[2], ARGV[3], table.concat({int(cost), int(tokens), string.format('%.6f', per_token),
+  string.format('%.3f', tpm_tat), ARGV[4], int(now + num(ARGV[12])), ARGV[2], int(m)}, '|'))
+return {'ok', int(m), int(cost), f[12] or '', f[13] or '', bounded and '1' or '0'}

@@ -1,0 +1,64 @@
+"""A tiny OpenAI-compatible server that records every body it receives.
+
+Used where a test must see what crossed the wire to the engine (the forwarded media URL, the
+structured-output fields an SGLang server gets) — something a real vLLM does not report.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class RecordingServer:
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._send(200, b"{}", "application/json")
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                recorder.bodies.append(body)
+                usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+                if body.get("stream"):
+                    chunks = [{"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                               "choices": [{"index": 0, "delta": {"role": "assistant", "content": "recorded"},
+                                            "finish_reason": "stop"}]},
+                              {"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                               "choices": [], "usage": usage}]
+                    data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+                    self._send(200, data, "text/event-stream")
+                    return
+                answer = {"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "recorded"},
+                                       "finish_reason": "stop"}], "usage": usage}
+                self._send(200, json.dumps(answer).encode(), "application/json")
+
+            def _send(self, status: int, data: bytes, ctype: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
