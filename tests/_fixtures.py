@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
-import os
 import subprocess
 import sys
 import time

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _fixtures import Stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from _fixtures import Stack
 from examlops.devstack import SERVICES
 from examlops.launcher.v1 import launcher_pb2 as la
 from examlops.launcher.v1 import launcher_pb2_grpc as la_grpc
@@ -38,9 +38,8 @@ def test_grpc_services_serve_health(stack: Stack, name: str) -> None:
 
 
 def test_unbuilt_launchers_answer_unimplemented(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.ports.addr("launcher")) as ch:
-        with pytest.raises(grpc.RpcError) as info:
-            la_grpc.LauncherStub(ch).Start(la.StartRequest(name="x", launcher="flux"), timeout=5)
+    with grpc.insecure_channel(stack.ports.addr("launcher")) as ch, pytest.raises(grpc.RpcError) as info:
+        la_grpc.LauncherStub(ch).Start(la.StartRequest(name="x", launcher="flux"), timeout=5)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
     assert error_reason(info.value)[0] == "launcher_not_implemented"  # type: ignore[arg-type]
 

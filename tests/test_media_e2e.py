@@ -11,11 +11,22 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from _fixtures import Stack, wait_until
 from _recorder import RecordingServer
+from media_corpus import (
+    ALLOWED,
+    HOSTILE,
+    HOSTILE_REQUESTS,
+    PART_PARAM,
+    PNG,
+    POLICY_KWARGS,
+    SVG,
+    corpus,
+    make_media_root,
+    request,
+)
+
 from examlops.svc import DEFAULT_ADMIN_KEY
-from media_corpus import ALLOWED, HOSTILE, HOSTILE_REQUESTS, POLICY_KWARGS, PART_PARAM, PNG, SVG, corpus, make_media_root, request
 
 ENDPOINT = "vision-echo"  # the policy the corpus assumes (POLICY_KWARGS)
 LOCAL = "vision-local"     # the same with a local media root (corpus(root).policy_kwargs)
@@ -30,7 +41,8 @@ def media(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     stack.register(LOCAL, engine="echo", engine_block_json=json.dumps(
         {"engine": "echo", "multimodal": local.policy_kwargs}))
     client = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
-    wait_until(lambda: _status_of(client, ENDPOINT, request({"type": "image_url", "image_url": {"url": "ftp://x/"}})) == 400)
+    ftp = request({"type": "image_url", "image_url": {"url": "ftp://x/"}})
+    wait_until(lambda: _status_of(client, ENDPOINT, ftp) == 400)
     yield client, local
     client.close()
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-
 from _fixtures import RedisServer, Stack, running_stack, start_redis, wait_until
+
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import DEFAULT_ADMIN_KEY, error_reason
 

@@ -55,7 +55,9 @@ def emit_json(obj: Any) -> None:
 
 
 def message_dict(msg: Message) -> dict[str, Any]:
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    out: dict[str, Any] = json_format.MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return out
 
 
 def endpoint_dict(ep: reg.Endpoint) -> dict[str, Any]:

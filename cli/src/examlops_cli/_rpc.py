@@ -40,14 +40,14 @@ def call(service: str, method: str, request: Any, timeout: float | None = None) 
 
 
 def rpc_fail(service: str, exc: grpc.RpcError) -> Any:
-    code = exc.code()  # type: ignore[attr-defined]
+    code = exc.code()
     if code == grpc.StatusCode.UNAVAILABLE and not _has_reason(exc):
         attr = _SERVICES[service][0]
         fail(f"cannot reach {service} at {getattr(Ctx.settings(), attr)} "
              f"(is the stack up? `make up`; or set EXAMLOPS_{attr.upper()})")
-    fail(exc.details() or code.name)  # type: ignore[attr-defined]
+    fail(exc.details() or code.name)
 
 
 def _has_reason(exc: grpc.RpcError) -> bool:
-    meta = dict(exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+    meta = dict(exc.trailing_metadata() or ())
     return bool(meta.get("examlops-reason"))

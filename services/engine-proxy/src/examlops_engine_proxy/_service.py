@@ -48,7 +48,8 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
             raise RouteNotFound(f"{reason}; it is not routed", "model")
         return ep
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         outcome = "error"
         try:
             ep = self.resolve(request.endpoint)
@@ -86,7 +87,8 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
         finally:
             GENERATIONS.labels(request.endpoint, outcome).inc()
 
-    async def ListRoutes(self, request: pb.ListRoutesRequest, context: grpc.aio.ServicerContext) -> pb.ListRoutesResponse:
+    async def ListRoutes(self, request: pb.ListRoutesRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListRoutesResponse:
         return pb.ListRoutesResponse(routes=[
             pb.Route(name=ep.name, engine=ep.engine, base_url=ep.base_url, state=state_name(ep.state),
                      routable=unroutable_reason(ep) is None)

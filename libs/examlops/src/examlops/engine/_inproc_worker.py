@@ -20,7 +20,7 @@ import time
 from typing import Any, TextIO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _vllm_parse import _Parser  # noqa: E402  (a sibling script, same venv)
+from _vllm_parse import _Parser
 
 _ENGINE_ARG_SKIP = {"model", "model_tag", "subparser", "dispatch_function", "host", "port", "api_key"}
 

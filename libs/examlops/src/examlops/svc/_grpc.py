@@ -26,7 +26,7 @@ RPC_SECONDS = Histogram(
 RPC_TOTAL = Counter("examlops_grpc_server_handled_total", "gRPC calls handled.", ["method", "code"])
 
 
-class _MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class _MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts and times unary calls; streaming calls are counted when their handler starts."""
 
     async def intercept_service(

@@ -32,16 +32,16 @@ UNROUTED_STATES = frozenset({S.ENDPOINT_STATE_STOPPED, S.ENDPOINT_STATE_DISABLED
 
 def state_name(state: int) -> str:
     """`ENDPOINT_STATE_READY` → `READY`."""
-    return pb.EndpointState.Name(state).removeprefix("ENDPOINT_STATE_")  # type: ignore[arg-type]
+    return str(pb.EndpointState.Name(state)).removeprefix("ENDPOINT_STATE_")  # type: ignore[arg-type,unused-ignore]
 
 
 def parse_state(name: str) -> int:
     """`ready` or `READY` → the enum value; ValueError naming the accepted states otherwise."""
     key = "ENDPOINT_STATE_" + name.strip().upper()
-    if key not in pb.EndpointState.keys() or key.endswith("UNSPECIFIED"):
+    if key not in pb.EndpointState.keys() or key.endswith("UNSPECIFIED"):  # noqa: SIM118 (enum wrapper)
         accepted = ", ".join(state_name(v) for v in pb.EndpointState.values() if v)
         raise ValueError(f"unknown state {name!r}; accepted: {accepted}")
-    return pb.EndpointState.Value(key)
+    return int(pb.EndpointState.Value(key))
 
 
 def unroutable_reason(ep: Endpoint) -> str | None:

@@ -51,8 +51,9 @@ class InprocEngine:
         usage_pb = pb.Usage(prompt_tokens=res["prompt_tokens"], completion_tokens=res["completion_tokens"])
         rid, created = f"inproc-{uuid.uuid4().hex}", int(time.time())
         if chat:
+            message = {"role": "assistant", "content": res["text"]}
             choice: dict[str, Any] = {"index": 0, "finish_reason": res["finish_reason"], "logprobs": None,
-                                      ("delta" if gen.stream else "message"): {"role": "assistant", "content": res["text"]}}
+                                      ("delta" if gen.stream else "message"): message}
         else:
             choice = {"index": 0, "text": res["text"], "finish_reason": res["finish_reason"], "logprobs": None}
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if gen.stream and chat else "")
