@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import signal
-import sys
 import time
 from typing import Any
 
@@ -257,4 +256,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -15,6 +16,7 @@ from typing import Any
 class RecordingServer:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.connections = 0
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -22,6 +24,10 @@ class RecordingServer:
 
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def setup(self) -> None:
+                recorder.connections += 1
+                super().setup()
 
             def do_GET(self) -> None:
                 self._send(200, b"{}", "application/json")
@@ -36,8 +42,17 @@ class RecordingServer:
                                             "finish_reason": "stop"}]},
                               {"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                                "choices": [], "usage": usage}]
-                    data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-                    self._send(200, data, "text/event-stream")
+                    # Chunked like vLLM: the body's terminating chunk comes after [DONE].
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+                    for event in events:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        self.wfile.flush()
+                    time.sleep(0.2)
+                    self.wfile.write(b"0\r\n\r\n")
                     return
                 answer = {"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
                           "choices": [{"index": 0, "message": {"role": "assistant", "content": "recorded"},

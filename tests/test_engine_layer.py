@@ -98,6 +98,31 @@ def test_sglang_engine_passes_structured_output_through(stack: Stack) -> None:
         server.close()
 
 
+def test_streams_reuse_one_pooled_connection_to_the_engine(stack: Stack) -> None:
+    server = RecordingServer()
+    try:
+        stack.register("pooled", engine="vllm-server", base_url=server.url,
+                       engine_block_json=json.dumps({"engine": "vllm", "hf_model_id": "org/m"}))
+        with openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0) as client:
+            msgs = [{"role": "user", "content": "hi"}]
+            wait_until(lambda: _answers(client, "pooled"))
+            before = server.connections
+            for _ in range(8):
+                chunks = list(client.chat.completions.create(model="pooled", messages=msgs, stream=True))  # type: ignore[arg-type]
+                assert chunks
+        assert server.connections - before <= 1  # at most the one a warm pool had not opened yet
+    finally:
+        server.close()
+
+
+def _answers(client: openai.OpenAI, model: str) -> bool:
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
+    except openai.NotFoundError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def degraded_stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Stack]:
     pack = tmp_path_factory.mktemp("pack")
