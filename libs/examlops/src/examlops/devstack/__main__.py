@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from ._stack import StackPorts
@@ -13,6 +14,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m examlops.devstack",
                                      description="Run the ExaMLOps stack as local background processes.")
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="State, pid files and logs.")
+    parser.add_argument("--port-offset", type=int, default=int(os.environ.get("EXAMLOPS_DEV_PORT_OFFSET", "0")),
+                        help="Shift every port (Redis 6379, gRPC 50051-50054, gateway 8080, vLLM 8000) by N.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="Start what is down, register the default model, check an answer.")
     p_up.add_argument("--engine", choices=["vllm", "echo"], default="vllm")
@@ -22,7 +25,7 @@ def main() -> int:
     p_st = sub.add_parser("status", help="Each part: pid, health, address.")
     p_st.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    run, ports = RunDir(args.run_dir.resolve()), StackPorts()
+    run, ports = RunDir(args.run_dir.resolve()), StackPorts.with_offset(args.port_offset)
     if args.cmd == "up":
         up(run, ports, args.engine, args.vllm_venv, args.model_dir)
     elif args.cmd == "down":

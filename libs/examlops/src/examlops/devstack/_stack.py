@@ -21,6 +21,13 @@ SERVICES: dict[str, str] = {
 class StackPorts:
     redis: int = 6379
     services: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
+    vllm: int = 8000
+
+    @classmethod
+    def with_offset(cls, offset: int) -> StackPorts:
+        """The default ports shifted by `offset`, for a second stack beside the first."""
+        return cls(redis=6379 + offset, services={k: v + offset for k, v in DEFAULT_PORTS.items()},
+                   vllm=8000 + offset)
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.services[name]}"

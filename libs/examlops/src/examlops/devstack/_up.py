@@ -20,7 +20,6 @@ from examlops.svc import DEFAULT_ADMIN_KEY
 from ._procs import grpc_serving, http_ok, pid_alive, spawn, stop_pid, wait_grpc, wait_http
 from ._stack import SERVICES, StackPorts, service_argv, service_env
 
-VLLM_PORT = 8000
 PARTS = ["redis", *SERVICES, "vllm"]
 BOLD, DIM, GREEN, RED, RESET = "\033[1m", "\033[2m", "\033[32m", "\033[31m", "\033[0m"
 
@@ -67,7 +66,7 @@ def healthy(part: str, ports: StackPorts) -> bool:
     if part == "gateway":
         return http_ok(ports.gateway_url + "/healthz")
     if part == "vllm":
-        return http_ok(f"http://127.0.0.1:{VLLM_PORT}/health")
+        return http_ok(f"http://127.0.0.1:{ports.vllm}/health")
     return grpc_serving(ports.addr(part))
 
 
@@ -89,11 +88,11 @@ def start_redis(run: RunDir, ports: StackPorts) -> int:
     return proc.pid
 
 
-def start_vllm(run: RunDir, vllm_venv: Path, model_dir: Path) -> int:
+def start_vllm(run: RunDir, ports: StackPorts, vllm_venv: Path, model_dir: Path) -> int:
     from examlops.engine import find_model, render_vllm_command
 
     spec = find_model("smol")
-    cmd = render_vllm_command(spec.engine, model=str(model_dir), host="127.0.0.1", port=VLLM_PORT)
+    cmd = render_vllm_command(spec.engine, model=str(model_dir), host="127.0.0.1", port=ports.vllm)
     argv = [str(vllm_venv / "bin" / "vllm"), *cmd.argv[1:]]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            **cmd.env}
@@ -102,7 +101,7 @@ def start_vllm(run: RunDir, vllm_venv: Path, model_dir: Path) -> int:
     say(f"vLLM starting (pid {proc.pid}): {' '.join(cmd.argv)}")
     started = time.monotonic()
     last = ""
-    while not http_ok(f"http://127.0.0.1:{VLLM_PORT}/health"):
+    while not http_ok(f"http://127.0.0.1:{ports.vllm}/health"):
         if not proc.alive():
             raise SystemExit(f"vLLM exited with {proc.popen.returncode}; last log lines:\n{proc.log_tail(40)}")
         line = _progress_line(proc.log_tail(5))
@@ -151,8 +150,8 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
             say(f"vllm: already running (pid {pid})")
         else:
             if pid is None and healthy("vllm", ports):
-                raise SystemExit(f"port {VLLM_PORT} is taken by a process `make up` did not start; stop it first")
-            run.record("vllm", start_vllm(run, vllm_venv, model_dir))
+                raise SystemExit(f"port {ports.vllm} is taken by a process `make up` did not start; stop it first")
+            run.record("vllm", start_vllm(run, ports, vllm_venv, model_dir))
     model = _register(ports, engine)
     answer, took = _first_answer(ports, model)
     say(f"stack up in {time.monotonic() - started:.0f} s; {model} answered through the gateway in {took:.2f} s: "
@@ -172,7 +171,7 @@ def _register(ports: StackPorts, engine: str) -> str:
         from examlops.engine import find_model
 
         block = find_model("smol").engine.model_dump(mode="json", exclude_none=True)
-        req = la.StartRequest(name=name, base_url=f"http://127.0.0.1:{VLLM_PORT}", launcher="external",
+        req = la.StartRequest(name=name, base_url=f"http://127.0.0.1:{ports.vllm}", launcher="external",
                               engine_block_json=orjson.dumps(block).decode(), actor="make-up", replace=True)
     else:
         req = la.StartRequest(name=name, launcher="external", engine_block_json='{"engine": "echo"}',
@@ -242,7 +241,7 @@ def status(run: RunDir, ports: StackPorts, as_json: bool) -> int:
         pid = run.pid(part)
         ok = healthy(part, ports)
         where = {"redis": ports.redis_url, "gateway": ports.gateway_url,
-                 "vllm": f"http://127.0.0.1:{VLLM_PORT}"}.get(part) or ports.addr(part)
+                 "vllm": f"http://127.0.0.1:{ports.vllm}"}.get(part) or ports.addr(part)
         rows.append({"part": part, "pid": pid, "healthy": ok, "address": where,
                      "log": str(run.logs / f"{part}.log")})
     if as_json:
