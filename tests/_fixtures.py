@@ -83,6 +83,19 @@ class Stack:
     def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         self.procs.pop(name).stop(sig)
 
+    def start_gateway_replica(self, name: str, extra_env: dict[str, str] | None = None) -> tuple[Proc, str]:
+        """Another gateway process on its own free port, sharing this stack's Redis and peers.
+
+        It is stopped with the stack (it joins `procs` under `name`); returns it and its base URL.
+        """
+        port = free_port()
+        env = {**self.env("gateway"), **(extra_env or {}), "EXAMLOPS_PORT": str(port)}
+        proc = spawn(name, service_argv("gateway"), env, self.workdir / f"{name}.log")
+        self.procs[name] = proc
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/healthz", 30, proc)
+        return proc, url
+
     def registry(self) -> reg_grpc.RegistryStub:
         return reg_grpc.RegistryStub(grpc.insecure_channel(self.ports.addr("registry")))
 

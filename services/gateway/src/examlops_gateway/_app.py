@@ -3,51 +3,104 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
+import redis.asyncio as redis
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from starlette.responses import Response
 
 from examlops.engineproxy.v1 import engineproxy_pb2_grpc as ep_grpc
+from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable, configure_logging, insecure_channel, load_settings, watch_routes
 
+from ._admin import router as admin_router
 from ._errors import install_error_handlers
+from ._governor import Governor
 from ._openai import router as openai_router
+from ._prices import PriceBook, follow_prices
+from ._reaper import Reaper
 from ._settings import GatewaySettings
 from ._state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+def redis_client(settings: GatewaySettings) -> redis.Redis:
+    """One pool per process; a call waits for a free connection rather than failing under a burst.
+
+    A Redis restart leaves dead pooled connections: they are retried once connected again, briefly.
+    """
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=10,
+        decode_responses=True, health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=3), retry_on_error=[redis.ConnectionError])
+    return redis.Redis.from_pool(pool)
 
 
 def build_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = redis_client(settings)
+        try:
+            await client.ping()
+        except redis.RedisError as exc:
+            log.error("cannot reach Redis at EXAMLOPS_REDIS_URL=%s: %s", settings.redis_url, exc)
+            await client.aclose()
+            raise SystemExit(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}") from None
+        replica_id = secrets.token_hex(6)
         routes = RouteTable.empty()
         channel = insecure_channel(settings.engine_proxy_addr)
+        registry_channel = insecure_channel(settings.registry_addr)
+        registry = reg_grpc.RegistryStub(registry_channel)
+        prices = PriceBook()
+        reaper = Reaper(client, settings, replica_id)
+        await reaper.heartbeat()  # alive before the first reservation
         app.state.gateway = GatewayState(
             settings=settings, routes=routes, engine_proxy=ep_grpc.EngineProxyStub(channel),
-            channel=channel, admin_key=settings.admin_key.get_secret_value().encode())
-        watcher = asyncio.create_task(watch_routes(settings.registry_addr, routes))
+            channel=channel, admin_key=settings.admin_key.get_secret_value().encode(),
+            registry=registry, registry_channel=registry_channel, redis=client, prices=prices,
+            governor=Governor(settings, client, prices, replica_id), replica_id=replica_id)
+        tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes)),
+                 asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
+                 asyncio.create_task(reaper.run())]
         try:
             yield
         finally:
-            watcher.cancel()
+            for task in tasks:
+                task.cancel()
+            pending = list(app.state.gateway.governor.background)
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+            await reaper.leave()
             await channel.close()
+            await registry_channel.close()
+            with contextlib.suppress(redis.RedisError):
+                await client.aclose()
 
     app = FastAPI(title="ExaMLOps gateway", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(admin_router)
 
     @app.get("/healthz")
     async def healthz() -> Response:
         state: GatewayState = app.state.gateway
         synced = state.routes.synced.is_set()
-        body = {"status": "ok" if synced else "starting", "routes": len(state.routes.routable()),
-                "route_table_synced": synced}
-        return Response(orjson.dumps(body), status_code=200 if synced else 503, media_type="application/json")
+        priced = state.prices.synced.is_set()
+        body = {"status": "ok" if synced and priced else "starting", "routes": len(state.routes.routable()),
+                "route_table_synced": synced, "prices_synced": priced, "replica": state.replica_id}
+        return Response(orjson.dumps(body), status_code=200 if synced and priced else 503,
+                        media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -23,7 +23,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as redis
 
@@ -135,17 +135,17 @@ class KeyStore:
         }
         # Index first: a key is never live without being listed (and reaped).
         await self.r.sadd(KEY_INDEX, key_id)
-        await self.r.hset(redis_keys(key_id)[0], mapping=record)
+        await self.r.hset(redis_keys(key_id)[0], mapping=cast(Any, record))
         return record
 
     async def get(self, key_id: str) -> dict[str, str] | None:
         if not _ID_RE.match(key_id):
             return None
-        f: dict[str, str] = await self.r.hgetall(redis_keys(key_id)[0])
+        f = cast(dict[str, str], await self.r.hgetall(redis_keys(key_id)[0]))
         return f if f.get("hash") else None
 
     async def ids(self) -> list[str]:
-        return sorted(await self.r.smembers(KEY_INDEX))
+        return sorted(cast(set[str], await self.r.smembers(KEY_INDEX)))
 
     async def all(self) -> list[dict[str, str]]:
         ids = await self.ids()
@@ -156,6 +156,5 @@ class KeyStore:
         return [f for f in found if f.get("hash")]
 
     async def update(self, key_id: str, fields: dict[str, str]) -> dict[str, str]:
-        await self.r.hset(redis_keys(key_id)[0], mapping=fields)
-        f: dict[str, str] = await self.r.hgetall(redis_keys(key_id)[0])
-        return f
+        await self.r.hset(redis_keys(key_id)[0], mapping=cast(Any, fields))
+        return cast(dict[str, str], await self.r.hgetall(redis_keys(key_id)[0]))

@@ -1,13 +1,21 @@
-"""The OpenAI-compatible surface: /v1/chat/completions, /v1/completions, /v1/models."""
+"""The OpenAI-compatible surface: /v1/chat/completions, /v1/completions, /v1/models.
+
+A generation: identify the key (no I/O) → parse → admit (one Redis round trip: key, allow-list,
+rate limits, budget reservation) → route → engine-proxy.Generate → settle (one round trip: real
+cost, cost record). A call that fails or loses its client is settled for what it produced.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import orjson
+import redis.asyncio as redis
 from fastapi import APIRouter
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
@@ -17,9 +25,11 @@ from starlette.responses import Response, StreamingResponse
 from examlops.engineproxy.v1 import engineproxy_pb2 as pb
 from examlops.svc import unroutable_reason
 
-from ._auth import authenticate
+from ._auth import identify
 from ._body import read_body
 from ._errors import OpenAIError, from_grpc, from_validation
+from ._governor import Caller, Ticket, denial
+from ._keys import redis_keys
 from ._protocol import ChatCompletionRequest, CompletionRequest
 from ._state import GatewayState
 
@@ -32,6 +42,7 @@ LATENCY = Histogram("examlops_gateway_request_seconds", "Time to the response he
 
 MEDIA_HEADER = "x-examlops-media-parts-dropped"
 WARNING_HEADER = "x-examlops-warning"
+CLIENT_GONE = "499"
 
 
 def _state(request: Request) -> GatewayState:
@@ -51,7 +62,6 @@ def _route(state: GatewayState, model: str) -> None:
 
 
 async def _parse(request: Request, state: GatewayState, model_cls: type[BaseModel]) -> tuple[bytes, Any]:
-    authenticate(request, state)
     raw = await read_body(request, state.settings.max_body_bytes)
     try:
         parsed = model_cls.model_validate_json(raw)
@@ -62,9 +72,24 @@ async def _parse(request: Request, state: GatewayState, model_cls: type[BaseMode
     return raw, parsed
 
 
-async def _generate(state: GatewayState, kind: int, raw: bytes, model: str, stream: bool) -> Response:
-    _route(state, model)
-    call = state.engine_proxy.Generate(pb.GenerateRequest(endpoint=model, kind=kind, body_json=raw),
+async def _handle(request: Request, kind: int, model_cls: type[BaseModel]) -> Response:
+    started = time.perf_counter()
+    state = _state(request)
+    caller = identify(request, state)
+    raw, req = await _parse(request, state, model_cls)
+    ticket = await state.governor.admit(caller, req, raw, started)
+    try:
+        _route(state, req.model)
+    except OpenAIError as err:
+        if not caller.admin:  # give the reservation back; the admin key reserved nothing
+            await ticket.settle(str(err.status), None, 0, req.stream)
+        raise
+    return await _generate(state, kind, ticket, req.stream)
+
+
+async def _generate(state: GatewayState, kind: int, ticket: Ticket, stream: bool) -> Response:
+    model = ticket.model
+    call = state.engine_proxy.Generate(pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body),
                                        timeout=state.settings.request_timeout_s)
     start = time.perf_counter()
     try:
@@ -72,18 +97,58 @@ async def _generate(state: GatewayState, kind: int, raw: bytes, model: str, stre
     except grpc.aio.AioRpcError as exc:
         err = from_grpc(exc, model)
         REQUESTS.labels(model, str(err.status)).inc()
+        await ticket.settle(str(err.status), None, 0, stream)
         raise err from None
+    except BaseException:
+        call.cancel()
+        ticket.settle_later(CLIENT_GONE, None, 0, stream)
+        raise
     finally:
         LATENCY.labels(model).observe(time.perf_counter() - start)
+    ticket.first_chunk()
     if first is grpc.aio.EOF:
         REQUESTS.labels(model, "502").inc()
+        await ticket.settle("502", None, 0, stream)
         raise OpenAIError(502, f"endpoint:{model} returned nothing", type="AllBackendsFailed",
                           code="all_backends_failed")
     headers = _notice_headers(first)
     REQUESTS.labels(model, "200").inc()
     if not stream:
-        return Response(first.data, media_type="application/json", headers=headers)
-    return StreamingResponse(_sse(call, first, model), media_type="text/event-stream", headers=headers)
+        return _SettledAnswer(first, ticket, headers)
+    return _SettledStream(_sse(call, first, ticket), call, ticket, headers)
+
+
+class _SettledAnswer(Response):
+    """A whole answer, settled once it is sent (off the latency path); the engine's work is charged
+    even if the client is gone by then."""
+
+    def __init__(self, first: pb.GenerateChunk, ticket: Ticket, headers: dict[str, str] | None) -> None:
+        super().__init__(first.data, media_type="application/json", headers=headers)
+        self.ticket = ticket
+        self.usage = first.usage if first.HasField("usage") else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.settle_later("200", self.usage, None, False)
+
+
+class _SettledStream(StreamingResponse):
+    """A stream whose call is settled even when the client leaves before the first chunk is sent."""
+
+    def __init__(self, content: AsyncIterator[bytes], call: Any, ticket: Ticket,
+                 headers: dict[str, str] | None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.call, self.ticket = call, ticket
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.ticket.settled:  # _sse never ran: one chunk had come back from the engine
+                self.call.cancel()
+                self.ticket.settle_later(CLIENT_GONE, None, 1, True)
 
 
 def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
@@ -96,41 +161,74 @@ def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
     return headers
 
 
-async def _sse(call: Any, first: pb.GenerateChunk, model: str) -> AsyncIterator[bytes]:
+async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket) -> AsyncIterator[bytes]:
+    """Forward chunks as they come; settle before [DONE], or in the background if the client left."""
     chunk = first
+    produced = 0
+    status, usage, error = "200", None, b""
     try:
-        while True:
-            if chunk.data:
-                yield b"data: " + chunk.data + b"\n\n"
-            if chunk.final:
-                break
-            chunk = await call.read()
-            if chunk is grpc.aio.EOF:
-                break
-    except grpc.aio.AioRpcError as exc:
-        yield b"data: " + orjson.dumps(from_grpc(exc, model).body()) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+        try:
+            while True:
+                if chunk.data:
+                    produced += 1
+                    yield b"data: " + chunk.data + b"\n\n"
+                if chunk.final:
+                    usage = chunk.usage if chunk.HasField("usage") else None
+                    break
+                chunk = await call.read()
+                if chunk is grpc.aio.EOF:
+                    break
+        except grpc.aio.AioRpcError as exc:
+            err = from_grpc(exc, ticket.model)
+            status, error = str(err.status), b"data: " + orjson.dumps(err.body()) + b"\n\n"
+        settling = ticket.settle_later(status, usage, produced, True)
+        if settling is not None:
+            await asyncio.shield(settling)
+        if error:
+            yield error
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not ticket.settled:  # the client went away mid-stream: stop the engine, charge what it made
+            call.cancel()
+            ticket.settle_later(CLIENT_GONE, None, produced, True)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    raw, req = await _parse(request, state, ChatCompletionRequest)
-    return await _generate(state, pb.REQUEST_KIND_CHAT, raw, req.model, req.stream)
+    return await _handle(request, pb.REQUEST_KIND_CHAT, ChatCompletionRequest)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    state = _state(request)
-    raw, req = await _parse(request, state, CompletionRequest)
-    return await _generate(state, pb.REQUEST_KIND_COMPLETION, raw, req.model, req.stream)
+    return await _handle(request, pb.REQUEST_KIND_COMPLETION, CompletionRequest)
+
+
+async def _allowed_models(state: GatewayState, caller: Caller) -> set[str] | None:
+    """None for the admin key; a virtual key's allow-list once the key checks out."""
+    if caller.admin:
+        return None
+    try:
+        f = cast(list[str | None], await state.redis.hmget(
+            redis_keys(caller.key_id)[0], ["hash", "revoked_ms", "expires_ms", "models"]))
+    except redis.RedisError as exc:
+        raise OpenAIError(503, f"the governance store (Redis) is unavailable: {type(exc).__name__}",
+                          type="service_unavailable", code="governance_unavailable") from None
+    if not f[0] or not hmac.compare_digest(f[0], caller.key_hash):
+        raise denial("invalid_api_key", "", caller.key_id, "")
+    if int(f[1] or 0):
+        raise denial("key_revoked", "", caller.key_id, "")
+    expires = int(f[2] or 0)
+    if expires and expires <= time.time() * 1000:
+        raise denial("key_expired", "", caller.key_id, "")
+    return {m for m in (f[3] or "").split(",") if m}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    authenticate(request, state)
+    allowed = await _allowed_models(state, identify(request, state))
     data = [{"id": ep.name, "object": "model", "created": ep.created_at_ms // 1000,
              "owned_by": ep.project or "examlops"}
-            for ep in sorted(state.routes.routable(), key=lambda e: e.name)]
+            for ep in sorted(state.routes.routable(), key=lambda e: e.name)
+            if allowed is None or ep.name in allowed]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

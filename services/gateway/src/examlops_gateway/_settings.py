@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from examlops.svc import DEFAULT_ADMIN_KEY, DEFAULT_PORTS, ServiceSettings
 
@@ -23,6 +23,8 @@ class GatewaySettings(ServiceSettings):
     # --- governance (virtual keys, budgets, rate limits, cost records) -------------------------
     redis_url: str = Field(default="redis://127.0.0.1:6379/0",
                            description="Redis holding virtual keys, budgets, rate limits and cost records.")
+    redis_max_connections: int = Field(default=64, ge=1,
+                                       description="Redis connections per gateway process (calls wait beyond).")
     price_refresh_s: float = Field(default=5.0, gt=0,
                                    description="How often the price table is fetched from the registry.")
     default_max_tokens: int = Field(default=4096, ge=1,
@@ -43,3 +45,10 @@ class GatewaySettings(ServiceSettings):
                                                    "reaped even if its replica looks alive.")
     cost_retention_days: float = Field(default=90.0, ge=0,
                                        description="Cost records older than this are trimmed; 0 keeps them all.")
+
+    @model_validator(mode="after")
+    def _heartbeat_within_ttl(self) -> GatewaySettings:
+        if self.replica_ttl_s <= 2 * self.heartbeat_s:
+            raise ValueError(f"EXAMLOPS_REPLICA_TTL_S ({self.replica_ttl_s}) must exceed twice EXAMLOPS_HEARTBEAT_S "
+                             f"({self.heartbeat_s}), or live replicas would look dead")
+        return self

@@ -1,14 +1,18 @@
-"""What the gateway holds for its lifetime: settings, the route table, the engine-proxy stub."""
+"""What the gateway holds for its lifetime: settings, the route table, peers' stubs, Redis, prices."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import grpc
+import redis.asyncio as redis
 
 from examlops.engineproxy.v1 import engineproxy_pb2_grpc as ep_grpc
+from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable
 
+from ._governor import Governor
+from ._prices import PriceBook
 from ._settings import GatewaySettings
 
 
@@ -19,3 +23,9 @@ class GatewayState:
     engine_proxy: ep_grpc.EngineProxyStub
     channel: grpc.aio.Channel
     admin_key: bytes
+    registry: reg_grpc.RegistryStub
+    registry_channel: grpc.aio.Channel
+    redis: redis.Redis
+    prices: PriceBook
+    governor: Governor
+    replica_id: str

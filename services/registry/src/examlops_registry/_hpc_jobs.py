@@ -25,7 +25,7 @@ KINDS = ("serve", "train")
 
 
 def _to_json(job: pb.HpcJob) -> str:
-    return json_format.MessageToJson(job, indent=None, preserving_proto_field_name=True)
+    return str(json_format.MessageToJson(job, indent=None, preserving_proto_field_name=True))
 
 
 def _from_json(raw: str | bytes) -> pb.HpcJob:
@@ -52,9 +52,9 @@ class HpcJobStore:
                     after.submitted_at_ms = (before.submitted_at_ms if before is not None
                                              else job.submitted_at_ms or t)
                     after_json = _to_json(after)
-                    pipe.multi()
+                    pipe.multi()  # type: ignore[no-untyped-call]
                     pipe.hset(HPC_JOBS, key, after_json)
-                    pipe.xadd(AUDIT, RegistryStore._audit_fields(
+                    pipe.xadd(AUDIT, RegistryStore._audit_fields(  # type: ignore[arg-type]
                         actor, "hpc_job.record", f"hpc_job:{key}",
                         _to_json(before) if before is not None else "", after_json, t))
                     await pipe.execute()
@@ -86,7 +86,8 @@ class HpcJobServicerMixin:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_hpc_job", message, field)
         return await self.hpc_jobs.record(job, request.actor)
 
-    async def ListHpcJobs(self, request: pb.ListHpcJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListHpcJobsResponse:
+    async def ListHpcJobs(self, request: pb.ListHpcJobsRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ListHpcJobsResponse:
         if request.kind and request.kind not in KINDS:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_hpc_job",
                         f"unknown kind {request.kind!r}; accepted: {', '.join(KINDS)}", "kind")

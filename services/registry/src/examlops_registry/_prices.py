@@ -12,6 +12,7 @@ transaction as the endpoint record.
 from __future__ import annotations
 
 import re
+from typing import Any, cast
 
 import grpc
 import redis.asyncio as redis
@@ -30,7 +31,11 @@ MAX_MICRO_USD_PER_MTOK = 1_000 * 1_000_000
 
 
 def _json(msg: pb.Price | pb.ProjectResource) -> str:
-    return json_format.MessageToJson(msg, indent=None, preserving_proto_field_name=True)
+    return str(json_format.MessageToJson(msg, indent=None, preserving_proto_field_name=True))
+
+
+def _audit(actor: str, action: str, target: str, before: str, after: str, t: int) -> Any:
+    return cast(Any, RegistryStore._audit_fields(actor, action, target, before, after, t))
 
 
 class PriceStore:
@@ -41,27 +46,26 @@ class PriceStore:
         out = pb.Price()
         out.CopyFrom(price)
         out.updated_at_ms, out.updated_by = now_ms(), actor or "unknown"
-        before = await self.r.hget(PRICES, price.model)
+        before = cast(str | None, await self.r.hget(PRICES, price.model))
         after = _json(out)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(PRICES, price.model, after)
-            pipe.xadd(AUDIT, RegistryStore._audit_fields(actor, "price.set", f"price:{price.model}",
-                                                         before or "", after, out.updated_at_ms))
+            pipe.xadd(AUDIT, _audit(actor, "price.set", f"price:{price.model}", before or "", after,
+                                    out.updated_at_ms))
             await pipe.execute()
         return out
 
     async def remove(self, model: str, actor: str) -> pb.Price | None:
-        before = await self.r.hget(PRICES, model)
+        before = cast(str | None, await self.r.hget(PRICES, model))
         if before is None:
             return None
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hdel(PRICES, model)
-            pipe.xadd(AUDIT, RegistryStore._audit_fields(actor, "price.remove", f"price:{model}",
-                                                         before, "", now_ms()))
+            pipe.xadd(AUDIT, _audit(actor, "price.remove", f"price:{model}", before, "", now_ms()))
             await pipe.execute()
         return json_format.Parse(before, pb.Price())
 
-    async def list(self) -> list[pb.Price]:
+    async def all(self) -> list[pb.Price]:
         raw = await self.r.hgetall(PRICES)
         return sorted((json_format.Parse(v, pb.Price()) for v in raw.values()), key=lambda p: p.model)
 
@@ -73,7 +77,7 @@ class PriceStore:
         after = _json(out)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(PROJECT_RESOURCES, field, after)
-            pipe.xadd(AUDIT, RegistryStore._audit_fields(actor, "attribute", field, "", after, out.created_at_ms))
+            pipe.xadd(AUDIT, _audit(actor, "attribute", field, "", after, out.created_at_ms))
             await pipe.execute()
         return out
 
@@ -103,10 +107,12 @@ class PricesServicerMixin:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_price", message, field)
         return await self.prices.set(p, request.actor)
 
-    async def ListPrices(self, request: pb.ListPricesRequest, context: grpc.aio.ServicerContext) -> pb.ListPricesResponse:
-        return pb.ListPricesResponse(prices=await self.prices.list())
+    async def ListPrices(self, request: pb.ListPricesRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListPricesResponse:
+        return pb.ListPricesResponse(prices=await self.prices.all())
 
-    async def RemovePrice(self, request: pb.RemovePriceRequest, context: grpc.aio.ServicerContext) -> pb.RemovePriceResponse:
+    async def RemovePrice(self, request: pb.RemovePriceRequest,
+                          context: grpc.aio.ServicerContext) -> pb.RemovePriceResponse:
         removed = await self.prices.remove(request.model, request.actor)
         if removed is None:
             await abort(context, grpc.StatusCode.NOT_FOUND, "price_not_found",

@@ -85,6 +85,31 @@ class RegistryStub:
                 request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsRequest.SerializeToString,
                 response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsResponse.FromString,
                 _registered_method=True)
+        self.SetPrice = channel.unary_unary(
+                '/examlops.registry.v1.Registry/SetPrice',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.SetPriceRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.Price.FromString,
+                _registered_method=True)
+        self.ListPrices = channel.unary_unary(
+                '/examlops.registry.v1.Registry/ListPrices',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListPricesRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListPricesResponse.FromString,
+                _registered_method=True)
+        self.RemovePrice = channel.unary_unary(
+                '/examlops.registry.v1.Registry/RemovePrice',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceResponse.FromString,
+                _registered_method=True)
+        self.AttributeResource = channel.unary_unary(
+                '/examlops.registry.v1.Registry/AttributeResource',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.AttributeResourceRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ProjectResource.FromString,
+                _registered_method=True)
+        self.ListProjectResources = channel.unary_unary(
+                '/examlops.registry.v1.Registry/ListProjectResources',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -152,6 +177,39 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPrice(self, request, context):
+        """The gateway's price table (audited as price.set / price.remove, target price:<model>).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPrices(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemovePrice(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttributeResource(self, request, context):
+        """Project attribution. Endpoints with a project are recorded by the registry itself
+        (kind serving_endpoint); other services attribute their own resources (virtual keys).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListProjectResources(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +262,31 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListHpcJobs,
                     request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsRequest.FromString,
                     response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsResponse.SerializeToString,
+            ),
+            'SetPrice': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPrice,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.SetPriceRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.Price.SerializeToString,
+            ),
+            'ListPrices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPrices,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListPricesRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListPricesResponse.SerializeToString,
+            ),
+            'RemovePrice': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemovePrice,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceResponse.SerializeToString,
+            ),
+            'AttributeResource': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttributeResource,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.AttributeResourceRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ProjectResource.SerializeToString,
+            ),
+            'ListProjectResources': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListProjectResources,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +559,141 @@ class Registry:
             '/examlops.registry.v1.Registry/ListHpcJobs',
             examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsRequest.SerializeToString,
             examlops_dot_registry_dot_v1_dot_registry__pb2.ListHpcJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPrice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/SetPrice',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.SetPriceRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.Price.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPrices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/ListPrices',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListPricesRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListPricesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemovePrice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/RemovePrice',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttributeResource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/AttributeResource',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.AttributeResourceRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ProjectResource.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListProjectResources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/ListProjectResources',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,

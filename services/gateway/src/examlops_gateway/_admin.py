@@ -1,0 +1,199 @@
+"""The admin HTTP API (admin key only): virtual keys, the spend summary, the prices in use.
+
+  POST /admin/keys                 issue a key; the answer carries `virtual_key`, shown this once
+  GET  /admin/keys                 every key with spend, budget, remaining, requests (?include_revoked)
+  GET  /admin/keys/{id}            one key
+  PATCH /admin/keys/{id}           change budget, limits, models or expiry
+  POST /admin/keys/{id}/revoke     revoke (the record and its spend stay)
+  GET  /admin/spend                requests, tokens and cost by key, project, model or tenant
+  GET  /admin/prices               the price table this replica uses
+
+Each mutation is written to the registry's audit trail (key.issue, key.update, key.revoke; target
+key:<id>) before it is applied: no change exists without its audit event. The actor is the
+`X-Examlops-Actor` header (the CLI sends the operator's name).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import orjson
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from examlops.registry.v1 import registry_pb2 as reg
+
+from ._auth import require_admin
+from ._body import read_body
+from ._cost import GROUPS, spend_summary
+from ._errors import OpenAIError, from_validation
+from ._keys import MODEL_RE, KeyLimits, KeyStore, new_key, now_ms, public_row, usd_to_micro
+from ._state import GatewayState
+
+router = APIRouter(prefix="/admin")
+
+
+class _Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    budget_usd: float | None = Field(default=None, ge=0, description="USD; null: no budget")
+    rpm: int | None = Field(default=None, ge=1, description="requests per minute; null: no limit")
+    tpm: int | None = Field(default=None, ge=1, description="tokens per minute; null: no limit")
+    expires_at: int | None = Field(default=None, description="unix seconds; null: never")
+
+
+class IssueKey(_Limits):
+    tenant: str = Field(min_length=1, max_length=128)
+    project: str = Field(min_length=1, max_length=128)
+    models: list[str] = Field(min_length=1, max_length=256)
+
+
+class UpdateKey(_Limits):
+    models: list[str] | None = Field(default=None, min_length=1, max_length=256)
+
+
+def _state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    require_admin(request, state)
+    return state
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+async def _body(request: Request, state: GatewayState, model: type[BaseModel]) -> Any:
+    raw = await read_body(request, 1024 * 1024)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def _check(models: list[str] | None, expires_at: int | None) -> None:
+    for m in models or ():
+        if not MODEL_RE.match(m):
+            raise OpenAIError(400, f"invalid model name {m!r}", code="invalid_value", param="models")
+    if expires_at is not None and expires_at <= time.time():
+        raise OpenAIError(400, "expires_at is in the past", code="invalid_value", param="expires_at")
+
+
+def _limits(body: _Limits, models: list[str] | None) -> KeyLimits:
+    """Only the fields the request set; null clears a limit."""
+    sent = body.model_fields_set
+    out = KeyLimits(models=sorted(set(models)) if models is not None else None)
+    if "budget_usd" in sent:
+        out.budget_micro = -1 if body.budget_usd is None else usd_to_micro(body.budget_usd)
+    if "rpm" in sent:
+        out.rpm = body.rpm or 0
+    if "tpm" in sent:
+        out.tpm = body.tpm or 0
+    if "expires_at" in sent:
+        out.expires_ms = (body.expires_at or 0) * 1000
+    return out
+
+
+async def _audit(state: GatewayState, request: Request, action: str, key_id: str,
+                 before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+    actor = request.headers.get("x-examlops-actor") or "admin"
+    event = reg.AuditEvent(actor=actor, action=action, target=f"key:{key_id}",
+                           before_json=orjson.dumps(before).decode() if before else "",
+                           after_json=orjson.dumps(after).decode() if after else "", time_ms=now_ms())
+    try:
+        await state.registry.RecordAuditEvent(reg.RecordAuditEventRequest(event=event), timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        raise OpenAIError(503, f"the audit trail (registry) is unavailable ({exc.code().name}); nothing changed",
+                          type="service_unavailable", code="audit_unavailable") from None
+
+
+async def _existing(store: KeyStore, key_id: str) -> dict[str, str]:
+    f = await store.get(key_id)
+    if f is None:
+        raise OpenAIError(404, f"no virtual key with id {key_id!r}", code="key_not_found", param="id")
+    return f
+
+
+@router.post("/keys")
+async def issue_key(request: Request) -> Response:
+    state = _state(request)
+    body: IssueKey = await _body(request, state, IssueKey)
+    _check(body.models, body.expires_at)
+    key_id, token = new_key()
+    limits = _limits(body, body.models)
+    preview = public_row({"id": key_id, "tenant": body.tenant, "project": body.project, "created_ms": str(now_ms()),
+                          **limits.fields()})
+    await _audit(state, request, "key.issue", key_id, None, preview)
+    try:
+        await state.registry.AttributeResource(reg.AttributeResourceRequest(
+            resource=reg.ProjectResource(project=body.project, kind="virtual_key", name=key_id),
+            actor=request.headers.get("x-examlops-actor") or "admin"), timeout=5)
+    except grpc.aio.AioRpcError as exc:
+        raise OpenAIError(503, f"cannot attribute the key to project {body.project!r} ({exc.code().name})",
+                          type="service_unavailable", code="registry_unavailable") from None
+    store = KeyStore(state.redis)
+    record = await store.create(key_id, token, body.tenant, body.project, limits)
+    return _json({"virtual_key": token, **public_row(record)}, 201)
+
+
+@router.get("/keys")
+async def list_keys(request: Request, include_revoked: bool = False) -> Response:
+    state = _state(request)
+    rows = [public_row(f) for f in await KeyStore(state.redis).all()]
+    rows = [r for r in rows if include_revoked or r["state"] != "revoked"]
+    rows.sort(key=lambda r: (r["tenant"], r["project"], r["created_at"], r["id"]))
+    return _json({"object": "list", "data": rows})
+
+
+@router.get("/keys/{key_id}")
+async def get_key(request: Request, key_id: str) -> Response:
+    state = _state(request)
+    return _json(public_row(await _existing(KeyStore(state.redis), key_id)))
+
+
+@router.patch("/keys/{key_id}")
+async def update_key(request: Request, key_id: str) -> Response:
+    state = _state(request)
+    body: UpdateKey = await _body(request, state, UpdateKey)
+    _check(body.models, body.expires_at)
+    store = KeyStore(state.redis)
+    before = await _existing(store, key_id)
+    fields = _limits(body, body.models).fields()
+    if not fields:
+        raise OpenAIError(400, "nothing to change: give budget_usd, rpm, tpm, models or expires_at",
+                          code="invalid_value")
+    await _audit(state, request, "key.update", key_id, public_row(before), public_row({**before, **fields}))
+    return _json(public_row(await store.update(key_id, fields)))
+
+
+@router.post("/keys/{key_id}/revoke")
+async def revoke_key(request: Request, key_id: str) -> Response:
+    state = _state(request)
+    store = KeyStore(state.redis)
+    before = await _existing(store, key_id)
+    if int(before.get("revoked_ms", "0")):
+        return _json(public_row(before))
+    fields = {"revoked_ms": str(now_ms())}
+    await _audit(state, request, "key.revoke", key_id, public_row(before), public_row({**before, **fields}))
+    return _json(public_row(await store.update(key_id, fields)))
+
+
+@router.get("/spend")
+async def spend(request: Request, group_by: str = "key", since: int = 0) -> Response:
+    """`since`: unix seconds (0: all the records kept)."""
+    state = _state(request)
+    if group_by not in GROUPS:
+        raise OpenAIError(400, f"group_by must be one of {', '.join(GROUPS)}", code="invalid_value", param="group_by")
+    ids = await KeyStore(state.redis).ids()
+    return _json({"object": "list", "group_by": group_by,
+                  "data": await spend_summary(state.redis, ids, group_by, since * 1000)})
+
+
+@router.get("/prices")
+async def prices(request: Request) -> Response:
+    state = _state(request)
+    return _json({"object": "list", "synced": state.prices.synced.is_set(), "data": [
+        {"model": m, "input_per_mtok": p.input_micro_per_mtok / 1e6, "output_per_mtok": p.output_micro_per_mtok / 1e6}
+        for m, p in sorted(state.prices.prices.items())]})

@@ -1,0 +1,69 @@
+"""Budgets: reserve-then-settle in integer micro-USD, and the bounds a reservation is built from.
+
+Before dispatch, reserve.lua checks `spent + reserved + max_cost <= budget` and reserves max_cost in
+the same atomic step, where
+
+    max_cost = ceil((prompt_bound * input_price + n * max_tokens * output_price) / 1e6)   micro-USD
+
+(prices in micro-USD per million tokens). `max_tokens` is what the client asked for, or
+EXAMLOPS_DEFAULT_MAX_TOKENS when it asked for none, lowered to what the remaining budget pays for;
+the gateway sends that number to the engine, so the engine cannot produce more than was reserved.
+After the answer, settle.lua replaces the reservation by the real cost, from the engine's usage.
+
+The prompt bound needs no tokenizer: the request body's length in bytes, minus the bytes of media
+parts, plus EXAMLOPS_MEDIA_PART_TOKENS per media part and EXAMLOPS_PROMPT_OVERHEAD_TOKENS for the
+chat template. Byte-level BPE and byte-fallback SentencePiece vocabularies (GPT, Llama, Qwen,
+Mistral, SmolLM) never make more tokens than bytes, and JSON only adds bytes around the text, so
+for text this is an upper bound (typically 3-4x the real count; the settle charges the real one).
+
+Overshoot bound. Spend can pass the budget only by the amount a call's real cost exceeds its
+reservation, which needs the bound above to fail (a media part larger than EXAMLOPS_MEDIA_PART_TOKENS,
+a chat template longer than the overhead) or a reservation reaped while its gateway was alive but
+silent for EXAMLOPS_REPLICA_TTL_S. With text prompts and live replicas the overshoot is zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ._prices import Price
+
+MICRO = 1_000_000
+
+
+def cost_micro_usd(prompt_tokens: int, completion_tokens: int, price: Price | None) -> int:
+    """Exact integer cost, rounded up to the next micro-USD (never under-charged)."""
+    if price is None:
+        return 0
+    num = prompt_tokens * price.input_micro_per_mtok + completion_tokens * price.output_micro_per_mtok
+    return -(-num // MICRO)
+
+
+def estimate_prompt_tokens(raw: bytes, messages: list[Any] | None, overhead: int, media_tokens: int) -> int:
+    """An upper bound of the prompt's tokens (see the module docstring)."""
+    size = len(raw)
+    media = 0
+    for m in messages or ():
+        content = m.content
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type", "text") != "text":
+                    size -= len(orjson.dumps(part))
+                    media += 1
+    return max(size, 0) + media * media_tokens + overhead
+
+
+def requested_max_tokens(req: Any) -> int:
+    """The client's output bound per choice (0: none); max_completion_tokens wins, as in vLLM."""
+    return int(getattr(req, "max_completion_tokens", None) or req.max_tokens or 0)
+
+
+def with_max_tokens(raw: bytes, max_tokens: int) -> bytes:
+    """The body with the output bound the gateway reserved for."""
+    body = orjson.loads(raw)
+    body["max_tokens"] = max_tokens
+    if body.get("max_completion_tokens") is not None:
+        body["max_completion_tokens"] = max_tokens
+    return orjson.dumps(body)
