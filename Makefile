@@ -66,8 +66,9 @@ lint: venv ## ruff and mypy --strict
 protos: venv ## Regenerate the gRPC stubs from protos/
 	@$(PY) scripts/gen-protos.py
 
-bench: venv system-deps ## Gateway overhead against the same backend called directly
+bench: venv system-deps ## Gateway overhead, and governance's added cost, against in-run baselines
 	@$(PY) bench/bench_gateway.py
+	@$(PY) bench/bench_governance.py
 
 clean: down ## Remove the local stack state and the virtual environment
 	rm -rf .run $(VENV)

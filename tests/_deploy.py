@@ -19,7 +19,7 @@ DEPENDS_ON = {
     "mediaguard": set(),
     "engine-proxy": {"registry", "mediaguard"},
     "launcher": {"registry"},
-    "gateway": {"registry", "engine-proxy"},
+    "gateway": {"redis", "registry", "engine-proxy"},
 }
 
 

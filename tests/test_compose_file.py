@@ -120,6 +120,7 @@ def test_services_are_wired_to_each_other_by_service_name(default_stack: dict[st
     assert env["launcher"]["EXAMLOPS_REGISTRY_ADDR"] == registry
     assert env["gateway"]["EXAMLOPS_REGISTRY_ADDR"] == registry
     assert env["gateway"]["EXAMLOPS_ENGINE_PROXY_ADDR"] == f"engine-proxy:{DEFAULT_PORTS['engine-proxy']}"
+    assert env["gateway"]["EXAMLOPS_REDIS_URL"] == "redis://redis:6379/0"
     assert env["gateway"]["EXAMLOPS_ADMIN_KEY"]
     for name in ("launcher", "engine-proxy"):
         assert env[name]["EXAMLOPS_USECASE_DIR"] == "/opt/examlops/usecases"
