@@ -25,11 +25,12 @@ $(STAMP): $(foreach p,$(PACKAGES),$(p)/pyproject.toml) requirements-dev.txt
 
 venv: $(STAMP) ## Create the virtual environment of the services, CLI and tests
 
-system-deps: ## Install Redis (Debian package) when it is missing
+system-deps: ## Install Redis, and Slurm + sshd for the launcher tests (Debian packages), when missing
 	@command -v redis-server >/dev/null || { \
 	  echo "==> Installing redis-server (Debian package)"; \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; fi; }
+	@bash scripts/slurm-local.sh install && bash scripts/sshd-local.sh install
 
 vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 model folder
 	@bash scripts/vllm-env.sh >/dev/null

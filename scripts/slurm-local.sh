@@ -3,10 +3,11 @@
 # munged + slurmctld + slurmd from Debian's packages, no systemd, with a fake GPU (Gres=gpu:1
 # backed by /dev/null) so `--gpus-per-node=1` is accepted. Everything lives in one state dir.
 #
+#   scripts/slurm-local.sh install  # only install the Debian packages when missing
 #   scripts/slurm-local.sh start    # install the packages if missing, start (idempotent); prints
 #                                   # SLURM_CONF=<state dir>/slurm.conf as its last line
 #   scripts/slurm-local.sh status   # exit 0 when the controller answers and the node is idle/mixed
-#   scripts/slurm-local.sh stop     # stop exactly the daemons this state dir started
+#   scripts/slurm-local.sh stop     # cancel this cluster's jobs, stop exactly the daemons it started
 #
 # Clients find this cluster through SLURM_CONF: `eval "$(scripts/slurm-local.sh start)"`.
 # EXAMLOPS_SLURM_DIR picks the state dir (default /tmp/examlops-slurm-local).
@@ -130,7 +131,22 @@ stop_one() {
   rm -f "$pidfile"
 }
 
+cancel_jobs() {
+  # Jobs outlive a stopped slurmd (their processes are not in a cgroup): end them first.
+  alive "$DIR/slurmctld.pid" || return 0
+  local jobs
+  jobs="$(SLURM_CONF="$CONF" squeue -h -o %i 2>/dev/null || true)"
+  [ -n "$jobs" ] || return 0
+  # shellcheck disable=SC2086
+  SLURM_CONF="$CONF" scancel $jobs 2>/dev/null || true
+  for _ in $(seq 1 100); do
+    [ -z "$(SLURM_CONF="$CONF" squeue -h -o %i 2>/dev/null)" ] && return 0
+    sleep 0.1
+  done
+}
+
 stop_daemons() {
+  cancel_jobs
   stop_one "$DIR/slurmd.pid"
   stop_one "$DIR/slurmctld.pid"
   stop_one "$DIR/munged.pid"
@@ -147,8 +163,9 @@ status() {
 }
 
 case "${1:-}" in
+  install) install_packages ;;
   start) start ;;
   stop) stop_daemons ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  *) echo "usage: $0 install|start|stop|status" >&2; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
 # transport tests: Debian's openssh-server with its own sshd_config, host key and client key
 # in one state dir, on a free high port. Nothing of the system's ssh setup is touched.
 #
+#   scripts/sshd-local.sh install # only install openssh-server when missing
 #   scripts/sshd-local.sh start   # install openssh-server if missing, start (idempotent); prints
 #                                 # SSH_PORT=, SSH_USER=, SSH_KEY= and SSH_KNOWN_HOSTS= lines
 #   scripts/sshd-local.sh stop    # stop exactly the sshd this state dir started
@@ -100,7 +101,8 @@ stop() {
 }
 
 case "${1:-}" in
+  install) install_packages ;;
   start) start ;;
   stop) stop ;;
-  *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+  *) echo "usage: $0 install|start|stop" >&2; exit 2 ;;
 esac

@@ -37,11 +37,11 @@ def test_grpc_services_serve_health(stack: Stack, name: str) -> None:
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_unbuilt_launchers_answer_unimplemented(stack: Stack) -> None:
+def test_launcher_refuses_an_unknown_launcher_with_a_reason(stack: Stack) -> None:
     with grpc.insecure_channel(stack.ports.addr("launcher")) as ch, pytest.raises(grpc.RpcError) as info:
-        la_grpc.LauncherStub(ch).Start(la.StartRequest(name="x", launcher="flux"), timeout=5)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
-    assert error_reason(info.value)[0] == "launcher_not_implemented"  # type: ignore[arg-type]
+        la_grpc.LauncherStub(ch).Start(la.StartRequest(name="x", launcher="nomad"), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert error_reason(info.value) == ("unknown_launcher", "launcher")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("name", "var", "value"), [

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from . import audit, dev, gateway, models, serve_llm, serve_llm_engine
+from . import audit, dev, gateway, hpc, manifest, models, serve_llm, serve_llm_engine
 from ._output import Ctx
 
 app = typer.Typer(
@@ -15,7 +15,9 @@ app = typer.Typer(
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 serve = typer.Typer(help="Serving endpoints.", no_args_is_help=True)
 serve.add_typer(serve_llm.app, name="llm")
+serve.command("manifest")(manifest.manifest)
 app.add_typer(serve, name="serve")
+app.add_typer(hpc.app, name="hpc")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(audit.app, name="audit")
 app.add_typer(dev.app, name="dev")

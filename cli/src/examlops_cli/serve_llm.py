@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 from typing import Annotated, Any
 
 import grpc
@@ -45,7 +46,8 @@ def start(
     walltime: Annotated[str, typer.Option(help="Job time limit, e.g. 04:00:00.")] = "",
     port: Annotated[int, typer.Option(help="Serving port on the node (default: the block's, else 8000).")] = 0,
     replace: Annotated[bool, typer.Option("--replace", help="Replace a STARTING or READY endpoint.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print exactly what would be submitted; change nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print exactly what would be submitted; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Start (or, with the external launcher, register) an endpoint.
@@ -117,7 +119,7 @@ def list_(
 ) -> None:
     """Registered endpoints."""
     try:
-        states = [parse_state(s) for s in state or []]
+        states: list[Any] = [parse_state(s) for s in state or []]
     except ValueError as exc:
         fail(str(exc))
     resp = call("registry", "ListEndpoints", reg.ListEndpointsRequest(project=project, states=states))
@@ -138,7 +140,7 @@ def health(model: Model) -> None:
         emit_json({"ready": resp.ready, "detail": resp.detail, "endpoint": endpoint_dict(resp.endpoint)})
     else:
         mark = "[green]ready[/]" if resp.ready else "[red]not ready[/]"
-        console.print(f"{model}: {mark} ({state_name(resp.endpoint.state)}) — {resp.detail}")
+        console.print(f"{model}: {mark} ({state_name(resp.endpoint.state)}) — {escape(resp.detail)}", highlight=False)
     raise SystemExit(0 if resp.ready else 1)
 
 
@@ -182,6 +184,23 @@ def stop(
                       highlight=False)
 
 
+def learn_published_address(model: str) -> None:
+    """An HPC job publishes its address in an endpoint file: have the launcher read and record it first.
+
+    Only for a slurm/flux endpoint that has no address yet; any error is left to the chat itself.
+    """
+    try:
+        ep = stub("registry").GetEndpoint(reg.GetEndpointRequest(name=model), timeout=Ctx.settings().rpc_timeout_s)
+        if ep.launcher not in ("slurm", "flux") or ep.base_url or ep.state in (
+                reg.ENDPOINT_STATE_STOPPED, reg.ENDPOINT_STATE_DISABLED):
+            return
+        found = stub("launcher").Health(la.HealthRequest(name=model, actor=Ctx.actor()), timeout=60)
+    except grpc.RpcError:
+        return
+    if found.endpoint.base_url:
+        time.sleep(0.3)  # engine-proxy learns the new address from its registry watch
+
+
 @app.command()
 def chat(
     model: Model,
@@ -191,6 +210,7 @@ def chat(
     max_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = 256,
 ) -> None:
     """Chat with the endpoint directly through engine-proxy (no key, no budget; media guard applies)."""
+    learn_published_address(model)
     try:
         messages = build_messages(message, image or [])
     except ValueError as exc:
@@ -215,14 +235,15 @@ def chat(
                         sys.stdout.write(piece)
                         sys.stdout.flush()
     except grpc.RpcError as exc:
-        reason, param = error_reason(exc)  # type: ignore[arg-type]
+        reason, param = error_reason(exc)
         if reason and reason.startswith("media_"):
-            fail(f"{reason}: {exc.details()} (at {param})")  # type: ignore[attr-defined]
+            fail(f"{reason}: {exc.details()} (at {param})")
         rpc_fail("engine-proxy", exc)
     for note in notes:
         err_console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     if Ctx.json:
-        emit_json({"content": "".join(text), "usage": message_dict(usage) if usage else None,
+        emit_json({"content": "".join(text), "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
+                   if usage else None,
                    "media_parts_dropped": dropped, "warnings": notes})
     elif stream:
         sys.stdout.write("\n")

@@ -44,6 +44,7 @@ class LauncherServicer(pb_grpc.LauncherServicer):
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, exc: LaunchError) -> NoReturn:
         await abort(context, exc.code, exc.reason, str(exc), exc.param)
+        raise AssertionError("unreachable")  # abort raises
 
     async def _registry_call(self, context: grpc.aio.ServicerContext, coro: Awaitable[T]) -> T:
         try:
@@ -51,6 +52,7 @@ class LauncherServicer(pb_grpc.LauncherServicer):
         except grpc.aio.AioRpcError as exc:
             reason, param = error_reason(exc)
             await abort(context, exc.code(), reason or "registry_error", exc.details() or "", param)
+            raise AssertionError("unreachable") from None  # abort raises
 
     async def _find(self, name: str, context: grpc.aio.ServicerContext) -> reg.Endpoint | None:
         try:
@@ -119,7 +121,10 @@ class LauncherServicer(pb_grpc.LauncherServicer):
     async def _check_conflicts(self, spec: LaunchSpec, adapter: Adapter, replace: bool,
                                context: grpc.aio.ServicerContext) -> reg.Endpoint | None:
         previous = await self._find(spec.name, context)
-        if previous is not None and previous.state in LIVE and not replace:
+        # A queued job is as alive as a running one: starting again would orphan it.
+        busy = previous is not None and (previous.state in LIVE or (
+            previous.state == reg.ENDPOINT_STATE_PENDING and bool(previous.job_id)))
+        if previous is not None and busy and not replace:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, "endpoint_exists",
                         f"endpoint {spec.name!r} is already {state_name(previous.state)}; stop it first "
                         f"(exa serve llm stop {spec.name}) or replace it (--replace)", "name")

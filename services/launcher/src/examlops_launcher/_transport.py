@@ -194,7 +194,8 @@ class SshTransport(Transport):
 
     def _sftp_client(self) -> paramiko.SFTPClient:
         client = self._connect()
-        if self._sftp is None or self._sftp.get_channel() is None or self._sftp.get_channel().closed:  # type: ignore[union-attr]
+        channel = self._sftp.get_channel() if self._sftp is not None else None
+        if self._sftp is None or channel is None or channel.closed:
             self._sftp = client.open_sftp()
         return self._sftp
 

@@ -19,7 +19,18 @@ from examlops.registry.v1 import registry_pb2 as reg
 
 from .._settings import LauncherSettings
 from .._transport import LocalTransport, TransportError
-from ._base import Adapter, LaunchError, LaunchSpec, Prepared, Submission, SubstrateView, redacted, render, split_env
+from ._base import (
+    Adapter,
+    LaunchError,
+    LaunchSpec,
+    Prepared,
+    Submission,
+    SubstrateView,
+    redacted,
+    render,
+    shell_line,
+    split_env,
+)
 
 SERVICE = "vllm"
 CONTAINER_PORT = 8000
@@ -57,7 +68,7 @@ class ComposeAdapter(Adapter):
         up = self.compose_argv(path, "up", "-d", SERVICE)
         plan = pb.LaunchPlan(
             launcher=self.name, argv=command.argv, env=redacted({**env, **command.env}), files={path: text},
-            commands=[f"write {path}", " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(up)],
+            commands=[f"write {path}", shell_line(up, env)],
             summary=(f"start the compose service {SERVICE!r} serving {model} as {spec.name!r} at "
                      f"{self.settings.compose_base_url}"))
         return Prepared(plan=plan, secret_env=secret, env=env)

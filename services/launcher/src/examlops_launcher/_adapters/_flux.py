@@ -8,8 +8,8 @@ jobs/hostlist).
 
 from __future__ import annotations
 
-from ._hpc import HpcAdapter
 from .._transport import CommandResult
+from ._hpc import HpcAdapter
 
 #: `flux jobs` {status} values of a job that will not run again.
 FLUX_TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELED", "TIMEOUT", "INACTIVE", "GONE"})

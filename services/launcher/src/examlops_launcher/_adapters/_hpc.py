@@ -36,7 +36,8 @@ def walltime_seconds(value: str) -> int:
     m = _WALLTIME.match(value.strip())
     if not m:
         raise ValueError(value)
-    d, a, b, c = (int(x) if x is not None else None for x in m.group("d", "a", "b", "c"))
+    d, b, c = (int(x) if x is not None else None for x in m.group("d", "b", "c"))
+    a = int(m.group("a"))
     if d is not None:                       # D-HH[:MM[:SS]]
         return d * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
     if c is not None:                       # HH:MM:SS

@@ -140,7 +140,8 @@ class KServeAdapter(Adapter):
         try:
             await self.local.write_file(path, prepared.plan.manifest)
         except TransportError as exc:
-            raise LaunchError(grpc.StatusCode.FAILED_PRECONDITION, "manifest_unwritable", str(exc), "manifest") from None
+            raise LaunchError(grpc.StatusCode.FAILED_PRECONDITION, "manifest_unwritable", str(exc),
+                              "manifest") from None
         checked = await self._server_dry_run(path)
         live = self.settings.kserve_live_apply
         return Submission(

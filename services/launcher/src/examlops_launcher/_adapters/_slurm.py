@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ._hpc import HpcAdapter
 from .._transport import CommandResult
+from ._hpc import HpcAdapter
 
 #: scontrol's JobState values after which a job never runs again.
 SLURM_TERMINAL = frozenset({
@@ -48,6 +48,6 @@ class SlurmAdapter(HpcAdapter):
                                         timeout_s=timeout)
         line = acct.stdout.strip().splitlines()[0] if acct.ok and acct.stdout.strip() else ""
         if line:
-            state, exit_code, nodes = (line.split("|") + ["", "", ""])[:3]
+            state, exit_code, nodes = [*line.split("|"), "", ""][:3]
             return state.split()[0], {"exit_code": exit_code, "nodes": nodes}
         return "GONE", {"reason": "the scheduler no longer knows the job"}
