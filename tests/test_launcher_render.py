@@ -234,16 +234,42 @@ def test_kserve_api_key_comes_from_a_secret() -> None:
         "secretKeyRef": {"name": "llama-8b-vllm-api-key", "key": "VLLM_API_KEY"}}}
 
 
-def test_kserve_manifest_server_dry_run_when_a_cluster_answers(tmp_path: Path) -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None or subprocess.run([kubectl, "get", "--raw", "/readyz", "--request-timeout=5s"],
-                                         capture_output=True, timeout=30).returncode != 0:
-        pytest.skip("no Kubernetes cluster reachable: kubectl apply --dry-run=server cannot run here")
-    path = tmp_path / "llmisvc.yaml"
-    path.write_text(plan("kserve", model="qwen-vl", nodes=1, gpus_per_node=2).manifest)
-    out = subprocess.run([kubectl, "apply", "--dry-run=server", "-f", str(path)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
+def _fake_kubectl(tmp_path: Path, ready: bool, apply_ok: bool) -> str:
+    """A stand-in kubectl for the one fault we cannot cause here: a cluster answering (or not)."""
+    script = tmp_path / "kubectl"
+    script.write_text(f"""#!/bin/sh
+echo "$@" >> {tmp_path}/calls
+case "$1" in
+  get) {'exit 0' if ready else 'echo "The connection to the server was refused" >&2; exit 1'} ;;
+  apply) {'echo accepted; exit 0' if apply_ok else 'echo "admission webhook denied: bad parallelism" >&2; exit 1'} ;;
+esac
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(("ready", "apply_ok", "expected"), [
+    (False, True, "not validated by a cluster (none reachable)"),
+    (True, True, "accepted by kubectl apply --dry-run=server"),
+    (True, False, "manifest_rejected"),
+])
+def test_kserve_server_dry_run_runs_only_when_a_cluster_answers(tmp_path: Path, ready: bool, apply_ok: bool,
+                                                                expected: str) -> None:
+    import asyncio
+
+    from examlops_launcher._adapters._kserve import KServeAdapter
+
+    settings = LauncherSettings(vllm_work_dir=str(tmp_path), kubectl=_fake_kubectl(tmp_path, ready, apply_ok))
+    adapter = KServeAdapter(settings)
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(plan("kserve", model="qwen-vl", nodes=1, gpus_per_node=2).manifest)
+    try:
+        outcome = asyncio.run(adapter._server_dry_run(str(manifest)))
+    except LaunchError as exc:
+        outcome = exc.reason + ": " + str(exc)
+    assert expected in outcome
+    calls = (tmp_path / "calls").read_text()
+    assert ("apply --dry-run=server -f " + str(manifest)) in calls if ready else "apply" not in calls
 
 
 # --- compose --------------------------------------------------------------------------------

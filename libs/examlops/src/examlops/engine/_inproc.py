@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,12 @@ class InprocWorker:
         server_block = block.model_copy(update={"engine": "vllm-server", "mode": "server"})
         self.command = render_vllm_command(server_block, model=model)
         self.python = python or require_vllm_python()
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **self.command.env, **(env or {})}
+        self.env = {**os.environ, **self.command.env, **(env or {})}
+        # CPU builds size their KV cache from this (GPU builds ignore it); without it the CPU
+        # worker reserves a fraction of the whole node's memory and refuses to start beside others.
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        if model is not None and Path(model).is_dir():
+            self.env.setdefault("HF_HUB_OFFLINE", "1")  # local weights: nothing to fetch
         self.proc: asyncio.subprocess.Process | None = None
         self.load_s = 0.0
         self._lock = asyncio.Lock()
@@ -45,7 +51,7 @@ class InprocWorker:
             assert self.proc is not None and self.proc.stderr is not None
             async for raw in self.proc.stderr:
                 stderr_tail.append(raw.decode(errors="replace").rstrip())
-                del stderr_tail[:-40]
+                del stderr_tail[:-400]
 
         self._drain = asyncio.create_task(drain())
         self._stderr_tail = stderr_tail
@@ -57,10 +63,16 @@ class InprocWorker:
         line = await self.proc.stdout.readline()
         if not line:
             await self.proc.wait()
-            tail = "\n".join(self._stderr_tail[-20:])
-            raise InprocWorkerError(f"in-process vLLM exited with {self.proc.returncode}:\n{tail}")
+            await asyncio.sleep(0.1)  # let the stderr reader take the last lines
+            raise InprocWorkerError(f"in-process vLLM exited with {self.proc.returncode}: {self._root_cause()}")
         answer: dict[str, Any] = json.loads(line)
         return answer
+
+    def _root_cause(self) -> str:
+        """vLLM's workers log the real error long before the last traceback: name it first."""
+        causes = [line.split("] ", 1)[-1] for line in self._stderr_tail if re.search(r"\b\w+Error: ", line)]
+        last = "\n".join(self._stderr_tail[-8:])
+        return (causes[0] + "\n" if causes else "") + last
 
     async def generate_batch(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
         async with self._lock:
