@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-
 from _fixtures import Stack, free_port, wait_until
+
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import DEFAULT_ADMIN_KEY
 
@@ -133,11 +133,15 @@ def test_dead_server_gives_all_backends_failed(stack: Stack, client: openai.Open
         assert "endpoint:dead-f" in body["message"]
 
 
-def _raw(stack: Stack, body: bytes | str, key: str = DEFAULT_ADMIN_KEY, path: str = "/v1/chat/completions") -> httpx.Response:
+def _raw(stack: Stack, body: bytes | str, key: str = DEFAULT_ADMIN_KEY,
+         path: str = "/v1/chat/completions") -> httpx.Response:
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
     return httpx.post(stack.gateway_url + path, content=body, headers=headers)
+
+
+ONE_MSG = '{"model": "echo-a", "messages": [{"role": "user", "content": "x"}]}'
 
 
 @pytest.mark.parametrize(("body", "status", "code", "param"), [
@@ -146,8 +150,8 @@ def _raw(stack: Stack, body: bytes | str, key: str = DEFAULT_ADMIN_KEY, path: st
     ('{"messages": [{"role": "user", "content": "x"}]}', 400, "missing_required_parameter", "model"),
     ('{"model": "echo-a", "messages": []}', 400, "invalid_value", "messages"),
     ('{"model": "echo-a", "messages": [{"role": "wizard", "content": "x"}]}', 400, "invalid_value", "messages.0.role"),
-    ('{"model": "echo-a", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "invalid_value", "max_tokens"),
-    ('{"model": "echo-a", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "invalid_value", "stream"),
+    (ONE_MSG[:-1] + ', "max_tokens": 0}', 400, "invalid_value", "max_tokens"),
+    (ONE_MSG[:-1] + ', "stream": "yes"}', 400, "invalid_value", "stream"),
     ('[1, 2]', 400, "invalid_value", None),
     ('{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found", "model"),
 ])

@@ -12,7 +12,6 @@ import copy
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import grpc
 import orjson
 import typer
+from rich.markup import escape
 
 from examlops.engineproxy.v1 import engineproxy_pb2 as ep_pb
 from examlops.launcher.v1 import launcher_pb2 as la
@@ -17,10 +18,8 @@ from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import error_reason, parse_state, state_name
 
 from ._chat import build_messages
-from ._pack import check_block, pack_block
-from rich.markup import escape
-
 from ._output import Ctx, console, emit_json, endpoint_dict, err_console, fail, message_dict, table
+from ._pack import check_block, pack_block
 from ._rpc import call, rpc_fail, stub
 
 app = typer.Typer(help="Serve LLMs and VLMs with vLLM: one command surface on every substrate.",
@@ -197,15 +196,21 @@ def learn_published_address(model: str) -> None:
         found = stub("launcher").Health(la.HealthRequest(name=model, actor=Ctx.actor()), timeout=60)
     except grpc.RpcError:
         return
-    if found.endpoint.base_url:
-        time.sleep(0.3)  # engine-proxy learns the new address from its registry watch
+    if found.endpoint.base_url:  # engine-proxy learns the new address from its registry watch
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            routes = stub("engine-proxy").ListRoutes(ep_pb.ListRoutesRequest(), timeout=5).routes
+            if any(r.name == model and r.base_url == found.endpoint.base_url for r in routes):
+                return
+            time.sleep(0.05)
 
 
 @app.command()
 def chat(
     model: Model,
     message: Annotated[str, typer.Option("--message", "-m", help="The user message.")],
-    image: Annotated[list[str] | None, typer.Option(help="Image path or URL (repeatable); local files are inlined as data: URLs.")] = None,
+    image: Annotated[list[str] | None, typer.Option(
+        help="Image path or URL (repeatable); local files are inlined as data: URLs.")] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they arrive.")] = False,
     max_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = 256,
 ) -> None:
@@ -228,7 +233,7 @@ def chat(
                 continue
             obj = orjson.loads(chunk.data)
             for choice in obj.get("choices", []):
-                piece = (choice.get("delta") or {}).get("content") if stream else (choice.get("message") or {}).get("content")
+                piece = (choice.get("delta" if stream else "message") or {}).get("content")
                 if piece:
                     text.append(piece)
                     if stream and not Ctx.json:
@@ -242,9 +247,8 @@ def chat(
     for note in notes:
         err_console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False)
     if Ctx.json:
-        emit_json({"content": "".join(text), "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
-                   if usage else None,
-                   "media_parts_dropped": dropped, "warnings": notes})
+        counts = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens} if usage else None
+        emit_json({"content": "".join(text), "usage": counts, "media_parts_dropped": dropped, "warnings": notes})
     elif stream:
         sys.stdout.write("\n")
     else:

@@ -7,9 +7,9 @@ import logging
 
 import grpc
 import redis.asyncio as redis
+from prometheus_client import start_http_server
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from prometheus_client import start_http_server
 
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 from examlops.svc import build_grpc_server, configure_logging, load_settings, serve_until_signal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TypeAlias
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,6 +17,7 @@ from ._hpc_jobs import HpcJobServicerMixin, HpcJobStore
 from ._prices import PricesServicerMixin, PriceStore
 from ._store import Conflict, NotFound, RegistryStore
 
+Ctx: TypeAlias = grpc.aio.ServicerContext
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 ENGINES = ("vllm-server", "vllm-inproc", "sglang", "echo")
 ENGINE_ALIASES = {"vllm": "vllm-server"}
@@ -73,7 +75,7 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
         self.hpc_jobs = HpcJobStore(store.r)
         self.prices = PriceStore(store.r)
 
-    async def RegisterEndpoint(self, request: pb.RegisterEndpointRequest, context: grpc.aio.ServicerContext) -> pb.Endpoint:
+    async def RegisterEndpoint(self, request: pb.RegisterEndpointRequest, context: Ctx) -> pb.Endpoint:
         try:
             ep = normalise_registration(request.endpoint)
         except InvalidEndpoint as exc:
@@ -92,21 +94,21 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
         assert after is not None
         return after
 
-    async def GetEndpoint(self, request: pb.GetEndpointRequest, context: grpc.aio.ServicerContext) -> pb.Endpoint:
+    async def GetEndpoint(self, request: pb.GetEndpointRequest, context: Ctx) -> pb.Endpoint:
         try:
             return await self.store.get(request.name)
         except NotFound:
             await abort(context, grpc.StatusCode.NOT_FOUND, "endpoint_not_found",
                         f"no endpoint named {request.name!r}", "name")
 
-    async def ListEndpoints(self, request: pb.ListEndpointsRequest, context: grpc.aio.ServicerContext) -> pb.ListEndpointsResponse:
+    async def ListEndpoints(self, request: pb.ListEndpointsRequest, context: Ctx) -> pb.ListEndpointsResponse:
         states = set(request.states)
         eps = [ep for ep in await self.store.list()
                if (not request.project or ep.project == request.project)
                and (not states or ep.state in states)]
         return pb.ListEndpointsResponse(endpoints=eps)
 
-    async def UpdateEndpoint(self, request: pb.UpdateEndpointRequest, context: grpc.aio.ServicerContext) -> pb.Endpoint:
+    async def UpdateEndpoint(self, request: pb.UpdateEndpointRequest, context: Ctx) -> pb.Endpoint:
         if request.HasField("base_url") and request.base_url and not re.match(r"^https?://[^\s/]+", request.base_url):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_endpoint",
                         f"base_url {request.base_url!r} must be an http(s) URL", "base_url")
@@ -137,7 +139,7 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
         assert after is not None
         return after
 
-    async def RemoveEndpoint(self, request: pb.RemoveEndpointRequest, context: grpc.aio.ServicerContext) -> pb.RemoveEndpointResponse:
+    async def RemoveEndpoint(self, request: pb.RemoveEndpointRequest, context: Ctx) -> pb.RemoveEndpointResponse:
         try:
             before = await self.store.get(request.name)
             await self.store.mutate(request.name, lambda _b: None, request.actor, "remove")
@@ -146,17 +148,17 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
                         f"no endpoint named {request.name!r}", "name")
         return pb.RemoveEndpointResponse(removed=before)
 
-    async def WatchEndpoints(self, request: pb.WatchEndpointsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.EndpointEvent]:
+    async def WatchEndpoints(self, request: pb.WatchEndpointsRequest, context: Ctx) -> AsyncIterator[pb.EndpointEvent]:
         async for event in self.store.watch():
             yield event
 
-    async def RecordAuditEvent(self, request: pb.RecordAuditEventRequest, context: grpc.aio.ServicerContext) -> pb.AuditEvent:
+    async def RecordAuditEvent(self, request: pb.RecordAuditEventRequest, context: Ctx) -> pb.AuditEvent:
         if not request.event.action or not request.event.target:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_audit_event",
                         "an audit event needs an action and a target", "event")
         return await self.store.record_audit(request.event)
 
-    async def ListAuditEvents(self, request: pb.ListAuditEventsRequest, context: grpc.aio.ServicerContext) -> pb.ListAuditEventsResponse:
+    async def ListAuditEvents(self, request: pb.ListAuditEventsRequest, context: Ctx) -> pb.ListAuditEventsResponse:
         limit = request.limit if request.limit > 0 else 100
         events = await self.store.list_audit(min(limit, 10_000), request.target, request.action)
         return pb.ListAuditEventsResponse(events=events)

@@ -100,7 +100,8 @@ class VllmServerEngine:
         finally:
             response.release()
 
-    async def _stream(self, response: aiohttp.ClientResponse, want_usage_chunk: bool) -> AsyncIterator[pb.GenerateChunk]:
+    async def _stream(self, response: aiohttp.ClientResponse,
+                      want_usage_chunk: bool) -> AsyncIterator[pb.GenerateChunk]:
         usage: pb.Usage | None = None
         done = False
         # Read to the end of the body even after [DONE], so the connection goes back to the pool.
