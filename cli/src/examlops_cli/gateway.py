@@ -227,7 +227,8 @@ def _prices(prices: list[reg.Price]) -> None:
         emit_json(rows)
         return
     table("Prices (USD per million tokens)", ["model", "input", "output", "updated by"],
-          [[r["model"], _usd(r["input_per_mtok"]), _usd(r["output_per_mtok"]), r["updated_by"]] for r in rows])
+          [[p.model, _usd(p.input_micro_usd_per_mtok / 1e6), _usd(p.output_micro_usd_per_mtok / 1e6), p.updated_by]
+           for p in prices])
 
 
 # --- spend --------------------------------------------------------------------------------------

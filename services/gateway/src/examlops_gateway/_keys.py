@@ -123,7 +123,7 @@ class KeyStore:
     """Key records for the admin API (the hot path reads them only inside reserve.lua)."""
 
     def __init__(self, client: redis.Redis) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py types replies as sync|async unions; checked by the tests instead
 
     async def create(self, key_id: str, token: str, tenant: str, project: str, limits: KeyLimits) -> dict[str, str]:
         record = {

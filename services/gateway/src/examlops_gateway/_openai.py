@@ -89,7 +89,8 @@ async def _handle(request: Request, kind: int, model_cls: type[BaseModel]) -> Re
 
 async def _generate(state: GatewayState, kind: int, ticket: Ticket, stream: bool) -> Response:
     model = ticket.model
-    call = state.engine_proxy.Generate(pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body),
+    request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body)  # type: ignore[arg-type]
+    call = state.engine_proxy.Generate(request,
                                        timeout=state.settings.request_timeout_s)
     start = time.perf_counter()
     try:

@@ -29,7 +29,7 @@ BATCH = 500
 
 class Reaper:
     def __init__(self, client: redis.Redis, settings: GatewaySettings, replica_id: str) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py types replies as sync|async unions; checked by the tests instead
         self.settings = settings
         self.replica_id = replica_id
         self.heartbeat_script = load_script(client, "heartbeat.lua")

@@ -9,6 +9,8 @@ audit event are written in one MULTI/EXEC guarded by WATCH, like endpoint record
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import redis.asyncio as redis
 from google.protobuf import json_format
@@ -29,12 +31,14 @@ def _to_json(job: pb.HpcJob) -> str:
 
 
 def _from_json(raw: str | bytes) -> pb.HpcJob:
-    return json_format.Parse(raw, pb.HpcJob())
+    job = pb.HpcJob()
+    json_format.Parse(raw, job)
+    return job
 
 
 class HpcJobStore:
     def __init__(self, client: redis.Redis) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py types replies as sync|async unions; checked by the tests instead
 
     async def record(self, job: pb.HpcJob, actor: str) -> pb.HpcJob:
         """Create or replace the record of (scheduler, job_id); the first submission time stays."""
@@ -52,9 +56,9 @@ class HpcJobStore:
                     after.submitted_at_ms = (before.submitted_at_ms if before is not None
                                              else job.submitted_at_ms or t)
                     after_json = _to_json(after)
-                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.multi()
                     pipe.hset(HPC_JOBS, key, after_json)
-                    pipe.xadd(AUDIT, RegistryStore._audit_fields(  # type: ignore[arg-type]
+                    pipe.xadd(AUDIT, RegistryStore._audit_fields(
                         actor, "hpc_job.record", f"hpc_job:{key}",
                         _to_json(before) if before is not None else "", after_json, t))
                     await pipe.execute()

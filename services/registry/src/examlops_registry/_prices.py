@@ -40,7 +40,7 @@ def _audit(actor: str, action: str, target: str, before: str, after: str, t: int
 
 class PriceStore:
     def __init__(self, client: redis.Redis) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py types replies as sync|async unions; checked by the tests instead
 
     async def set(self, price: pb.Price, actor: str) -> pb.Price:
         out = pb.Price()
@@ -63,7 +63,9 @@ class PriceStore:
             pipe.hdel(PRICES, model)
             pipe.xadd(AUDIT, _audit(actor, "price.remove", f"price:{model}", before, "", now_ms()))
             await pipe.execute()
-        return json_format.Parse(before, pb.Price())
+        removed = pb.Price()
+        json_format.Parse(before, removed)
+        return removed
 
     async def all(self) -> list[pb.Price]:
         raw = await self.r.hgetall(PRICES)

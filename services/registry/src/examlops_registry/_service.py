@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TypeAlias
 from collections.abc import AsyncIterator
+from typing import TypeAlias
 
 import grpc
 

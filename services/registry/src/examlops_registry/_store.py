@@ -11,8 +11,10 @@ attribution in one MULTI/EXEC guarded by WATCH, so none exists without the other
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import redis.asyncio as redis
 from google.protobuf import json_format
@@ -40,11 +42,13 @@ def now_ms() -> int:
 
 
 def to_json(ep: pb.Endpoint) -> str:
-    return json_format.MessageToJson(ep, indent=None, preserving_proto_field_name=True)
+    return str(json_format.MessageToJson(ep, indent=None, preserving_proto_field_name=True))
 
 
 def from_json(raw: str | bytes) -> pb.Endpoint:
-    return json_format.Parse(raw, pb.Endpoint())
+    ep = pb.Endpoint()
+    json_format.Parse(raw, ep)
+    return ep
 
 
 Mutation = Callable[[pb.Endpoint | None], pb.Endpoint | None]
@@ -52,7 +56,7 @@ Mutation = Callable[[pb.Endpoint | None], pb.Endpoint | None]
 
 class RegistryStore:
     def __init__(self, client: redis.Redis) -> None:
-        self.r = client
+        self.r: Any = client  # redis-py types replies as sync|async unions; checked by the tests instead
 
     async def get(self, name: str) -> pb.Endpoint:
         raw = await self.r.hget(ENDPOINTS, name)
@@ -125,7 +129,7 @@ class RegistryStore:
         out.id, out.time_ms = _s(event_id), t
         return out
 
-    async def list_audit(self, limit: int, target: str = "", action: str = "") -> list[pb.AuditEvent]:
+    async def list_audit(self, limit: int, target: str = "", action: str = "") -> builtins.list[pb.AuditEvent]:
         """Newest first, filtered; scans back in pages until `limit` matches are found."""
         out: list[pb.AuditEvent] = []
         end = "+"
