@@ -9,13 +9,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
-from importlib import resources
 from typing import Any
 
 import pytest
 import redis
 from _fixtures import RedisServer
 
+from examlops_gateway._governor import load_script
 from examlops_gateway._keys import KEY_INDEX, digest, new_key, redis_keys
 
 TOKEN_PRICE_IN = 2_000_000    # micro-USD per Mtok: 2 micro-USD per prompt token
@@ -23,7 +23,7 @@ TOKEN_PRICE_OUT = 10_000_000  # 10 micro-USD per completion token
 
 
 def _script(r: redis.Redis, name: str) -> Any:
-    return r.register_script(resources.files("examlops_gateway").joinpath("lua", name).read_text())
+    return load_script(r, name)  # the gateway's own loader (shared prelude + script)
 
 
 class Scripts:

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 def load_script(client: redis.Redis, name: str) -> Any:
     """A Lua script of lua/ as a redis-py Script (EVALSHA, loaded again after a Redis restart)."""
-    return client.register_script(resources.files(__package__).joinpath("lua", name).read_text())
+    lua = resources.files(__package__).joinpath("lua")
+    return client.register_script(lua.joinpath("_prelude.lua").read_text() + lua.joinpath(name).read_text())
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,16 +7,7 @@
 --       (0: keep all)   4.. ids of the live replicas
 -- Returns the number of reservations given back.
 
-local function num(x) return tonumber(x) or 0 end
-local function split(s)
-  local p, i = {}, 1
-  while true do
-    local j = string.find(s, '|', i, true)
-    if not j then p[#p + 1] = string.sub(s, i); return p end
-    p[#p + 1] = string.sub(s, i, j - 1)
-    i = j + 1
-  end
-end
+-- num() and split() come from _prelude.lua, prepended when the script is loaded.
 if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000

@@ -13,16 +13,7 @@
 --      or {"deny", code, detail}
 -- Money is integer micro-USD; times are Redis' own clock in ms, shared by every replica.
 
-local function num(x) return tonumber(x) or 0 end
-local function split(s)
-  local p, i = {}, 1
-  while true do
-    local j = string.find(s, '|', i, true)
-    if not j then p[#p + 1] = string.sub(s, i); return p end
-    p[#p + 1] = string.sub(s, i, j - 1)
-    i = j + 1
-  end
-end
+-- num() and split() come from _prelude.lua, prepended when the script is loaded.
 local function int(x) return string.format('%d', x) end
 
 local f = redis.call('HMGET', KEYS[1], 'hash', 'revoked_ms', 'expires_ms', 'models', 'budget', 'spent',

@@ -8,16 +8,7 @@
 --      13 trim records older than this many ms (0: keep all)
 -- Returns {"ok", tenant, project} or {"duplicate"} when this reservation was settled already.
 
-local function num(x) return tonumber(x) or 0 end
-local function split(s)
-  local p, i = {}, 1
-  while true do
-    local j = string.find(s, '|', i, true)
-    if not j then p[#p + 1] = string.sub(s, i); return p end
-    p[#p + 1] = string.sub(s, i, j - 1)
-    i = j + 1
-  end
-end
+-- num() and split() come from _prelude.lua, prepended when the script is loaded.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local late = '0'
