@@ -83,3 +83,16 @@ def test_dev_env_prints_exports(stack: Stack) -> None:
     assert out.returncode == 0
     assert f"export EXAMLOPS_GATEWAY_URL={stack.gateway_url}" in out.stdout
     assert "export OPENAI_API_KEY=" in out.stdout
+
+
+def test_start_takes_the_media_policy_from_flags(stack: Stack) -> None:
+    out = stack.cli("--json", "serve", "llm", "start", "qwen-flags", "--base-url", "http://gpu01:8000",
+                    "--hf-model", "Qwen/Qwen3-VL-8B-Instruct", "--modality", "vision", "--max-images", "2",
+                    "--media-domains", "example.com", "--media-domains", "cdn.example.org")
+    assert out.returncode == 0, out.stderr
+    mm = json.loads(out.stdout)["engine_block"]["multimodal"]
+    assert mm["modality"] == "vision" and mm["limit_mm_per_prompt"] == {"image": 2}
+    assert mm["allowed_media_domains"] == ["example.com", "cdn.example.org"]
+    refused = stack.cli("serve", "llm", "start", "qwen-flags2", "--base-url", "http://gpu01:8000",
+                        "--hf-model", "org/vl", "--modality", "vision")
+    assert refused.returncode == 1 and "limit_mm_per_prompt" in refused.stderr

@@ -39,3 +39,17 @@ def check_block(block: dict[str, Any]) -> None:
         parse_engine_block(block)
     except EngineBlockError as exc:
         fail(f"invalid engine block:\n{exc}")
+
+
+def media_policy(current: dict[str, Any], modality: str, max_images: int, domains: list[str]) -> dict[str, Any]:
+    """The block's multimodal policy with the command line's --modality/--max-images/--media-domains."""
+    policy = dict(current)
+    if modality:
+        policy["modality"] = modality
+    if max_images:
+        limits = dict(policy.get("limit_mm_per_prompt") or {})
+        limits["image"] = max_images
+        policy["limit_mm_per_prompt"] = limits
+    if domains:
+        policy["allowed_media_domains"] = [d for item in domains for d in item.split(",") if d]
+    return policy

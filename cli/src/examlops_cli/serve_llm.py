@@ -19,7 +19,7 @@ from examlops.svc import error_reason, parse_state, state_name
 
 from ._chat import build_messages
 from ._output import Ctx, console, emit_json, endpoint_dict, err_console, fail, message_dict, table
-from ._pack import check_block, pack_block
+from ._pack import check_block, media_policy, pack_block
 from ._rpc import call, rpc_fail, stub
 
 app = typer.Typer(help="Serve LLMs and VLMs with vLLM: one command surface on every substrate.",
@@ -44,6 +44,10 @@ def start(
     partition: Annotated[str, typer.Option(help="Scheduler partition (queue).")] = "",
     walltime: Annotated[str, typer.Option(help="Job time limit, e.g. 04:00:00.")] = "",
     port: Annotated[int, typer.Option(help="Serving port on the node (default: the block's, else 8000).")] = 0,
+    modality: Annotated[str, typer.Option(help="text | vision | audio | video (the block's multimodal).")] = "",
+    max_images: Annotated[int, typer.Option(help="Images per prompt (vision's limit_mm_per_prompt).")] = 0,
+    media_domains: Annotated[list[str] | None, typer.Option(
+        help="Allowed media domain (repeatable; subdomains included). None: no remote media.")] = None,
     replace: Annotated[bool, typer.Option("--replace", help="Replace a STARTING or READY endpoint.")] = False,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print exactly what would be submitted; change nothing.")] = False,
@@ -58,6 +62,8 @@ def start(
     overrides = {"engine": engine, "hf_model_id": hf_model, "base_url": base_url,
                  "served_model_name": served_model_name}
     block.update({k: v for k, v in overrides.items() if v})
+    if modality or max_images or media_domains:
+        block["multimodal"] = media_policy(block.get("multimodal") or {}, modality, max_images, media_domains or [])
     if block:
         check_block(block)
     base_url = base_url or str(block.get("base_url") or "")
