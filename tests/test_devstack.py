@@ -30,7 +30,7 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tmp_path: Path)
     try:
         first = _devstack(run, offset, "up", "--engine", "echo")
         assert first.returncode == 0, first.stderr
-        assert "answered through the gateway" in first.stderr and "echo: Say hello" in first.stderr
+        assert "answered through the gateway" in first.stderr and "echo: What is the capital" in first.stderr
         assert "OpenAI(base_url=" in first.stdout
         status = json.loads(_devstack(run, offset, "status", "--json").stdout)
         up = {r["part"]: r for r in status}

@@ -185,7 +185,8 @@ def _register(ports: StackPorts, engine: str) -> str:
 def _first_answer(ports: StackPorts, model: str) -> tuple[str, float]:
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": "Say hello in five words."}], "max_tokens": 24}
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    body = {"model": model, "messages": question, "max_tokens": 24}
     deadline = time.monotonic() + 30
     while True:
         t0 = time.monotonic()
