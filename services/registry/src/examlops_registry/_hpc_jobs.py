@@ -19,6 +19,7 @@ from redis.exceptions import WatchError
 from examlops.registry.v1 import registry_pb2 as pb
 from examlops.svc import abort
 
+from ._checks import refuse_first
 from ._store import AUDIT, RegistryStore, now_ms
 
 HPC_JOBS = "{exa:reg}:hpc_jobs"
@@ -85,9 +86,7 @@ class HpcJobServicerMixin:
             ("kind", job.kind not in KINDS, f"kind must be one of {', '.join(KINDS)}"),
             ("name", not job.name, "a job record needs the name of what it runs"),
         ]
-        for field, bad, message in problems:
-            if bad:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_hpc_job", message, field)
+        await refuse_first(context, "invalid_hpc_job", problems)
         return await self.hpc_jobs.record(job, request.actor)
 
     async def ListHpcJobs(self, request: pb.ListHpcJobsRequest,

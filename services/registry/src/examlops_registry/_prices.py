@@ -21,6 +21,7 @@ from google.protobuf import json_format
 from examlops.registry.v1 import registry_pb2 as pb
 from examlops.svc import abort
 
+from ._checks import refuse_first
 from ._store import AUDIT, PROJECT_RESOURCES, RegistryStore, now_ms
 
 PRICES = "{exa:reg}:prices"
@@ -129,9 +130,7 @@ class PricesServicerMixin:
             ("kind", res.kind not in RESOURCE_KINDS, f"kind must be one of {', '.join(RESOURCE_KINDS)}"),
             ("name", not res.name, "a project resource needs a name"),
         ]
-        for field, bad, message in problems:
-            if bad:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_project_resource", message, field)
+        await refuse_first(context, "invalid_project_resource", problems)
         return await self.prices.attribute(res, request.actor)
 
     async def ListProjectResources(self, request: pb.ListProjectResourcesRequest,
