@@ -13,28 +13,17 @@ from typing import Any
 
 import grpc
 import redis.asyncio as redis
-from google.protobuf import json_format
 from redis.exceptions import WatchError
 
 from examlops.registry.v1 import registry_pb2 as pb
 from examlops.svc import abort
 
 from ._checks import refuse_first
-from ._store import AUDIT, RegistryStore, now_ms
+from ._store import AUDIT, RegistryStore, from_json, now_ms, to_json
 
 HPC_JOBS = "{exa:reg}:hpc_jobs"
 SCHEDULERS = ("slurm", "flux")
 KINDS = ("serve", "train")
-
-
-def _to_json(job: pb.HpcJob) -> str:
-    return str(json_format.MessageToJson(job, indent=None, preserving_proto_field_name=True))
-
-
-def _from_json(raw: str | bytes) -> pb.HpcJob:
-    job = pb.HpcJob()
-    json_format.Parse(raw, job)
-    return job
 
 
 class HpcJobStore:
@@ -49,26 +38,26 @@ class HpcJobStore:
                 try:
                     await pipe.watch(HPC_JOBS)
                     raw = await pipe.hget(HPC_JOBS, key)
-                    before = _from_json(raw) if raw is not None else None
+                    before = from_json(raw, pb.HpcJob) if raw is not None else None
                     after = pb.HpcJob()
                     after.CopyFrom(job)
                     t = now_ms()
                     after.updated_at_ms = t
                     after.submitted_at_ms = (before.submitted_at_ms if before is not None
                                              else job.submitted_at_ms or t)
-                    after_json = _to_json(after)
+                    after_json = to_json(after)
                     pipe.multi()
                     pipe.hset(HPC_JOBS, key, after_json)
                     pipe.xadd(AUDIT, RegistryStore._audit_fields(
                         actor, "hpc_job.record", f"hpc_job:{key}",
-                        _to_json(before) if before is not None else "", after_json, t))
+                        to_json(before) if before is not None else "", after_json, t))
                     await pipe.execute()
                     return after
                 except WatchError:
                     continue
 
     async def list(self, kind: str = "", name: str = "") -> list[pb.HpcJob]:
-        jobs = [_from_json(v) for v in (await self.r.hgetall(HPC_JOBS)).values()]
+        jobs = [from_json(v, pb.HpcJob) for v in (await self.r.hgetall(HPC_JOBS)).values()]
         jobs = [j for j in jobs if (not kind or j.kind == kind) and (not name or j.name == name)]
         return sorted(jobs, key=lambda j: (j.submitted_at_ms, j.job_id), reverse=True)
 

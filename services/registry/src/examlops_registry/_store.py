@@ -14,10 +14,11 @@ from __future__ import annotations
 import builtins
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as redis
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from redis.exceptions import WatchError
 
 from examlops.registry.v1 import registry_pb2 as pb
@@ -41,14 +42,18 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def to_json(ep: pb.Endpoint) -> str:
-    return str(json_format.MessageToJson(ep, indent=None, preserving_proto_field_name=True))
+M = TypeVar("M", bound=Message)
 
 
-def from_json(raw: str | bytes) -> pb.Endpoint:
-    ep = pb.Endpoint()
-    json_format.Parse(raw, ep)
-    return ep
+def to_json(msg: Message) -> str:
+    """A record as stored: one-line protobuf JSON with the proto's field names."""
+    return str(json_format.MessageToJson(msg, indent=None, preserving_proto_field_name=True))
+
+
+def from_json(raw: str | bytes, cls: type[M]) -> M:
+    msg: M = cls()
+    json_format.Parse(raw, msg)
+    return msg
 
 
 Mutation = Callable[[pb.Endpoint | None], pb.Endpoint | None]
@@ -62,11 +67,11 @@ class RegistryStore:
         raw = await self.r.hget(ENDPOINTS, name)
         if raw is None:
             raise NotFound(name)
-        return from_json(raw)
+        return from_json(raw, pb.Endpoint)
 
     async def list(self) -> list[pb.Endpoint]:
         raw = await self.r.hgetall(ENDPOINTS)
-        return sorted((from_json(v) for v in raw.values()), key=lambda e: e.name)
+        return sorted((from_json(v, pb.Endpoint) for v in raw.values()), key=lambda e: e.name)
 
     async def mutate(self, name: str, change: Mutation, actor: str, action: str) -> pb.Endpoint | None:
         """Apply `change(before) -> after` atomically (None deletes); returns `after`."""
@@ -75,7 +80,7 @@ class RegistryStore:
                 try:
                     await pipe.watch(ENDPOINTS)
                     raw = await pipe.hget(ENDPOINTS, name)
-                    before = from_json(raw) if raw is not None else None
+                    before = from_json(raw, pb.Endpoint) if raw is not None else None
                     after = change(before)
                     t = now_ms()
                     before_json = to_json(before) if before is not None else ""
@@ -165,7 +170,7 @@ class RegistryStore:
                     fields = {_s(k): _s(v) for k, v in f.items()}
                     kind = (pb.EndpointEvent.KIND_DELETE if fields["kind"] == "delete"
                             else pb.EndpointEvent.KIND_PUT)
-                    yield pb.EndpointEvent(kind=kind, endpoint=from_json(fields["endpoint"]))
+                    yield pb.EndpointEvent(kind=kind, endpoint=from_json(fields["endpoint"], pb.Endpoint))
 
 
 def _s(v: str | bytes) -> str:
