@@ -12,10 +12,10 @@ import json
 import shlex
 
 import grpc
-import yaml
 
 from examlops.launcher.v1 import launcher_pb2 as pb
 from examlops.registry.v1 import registry_pb2 as reg
+from examlops.yamlio import dump_yaml
 
 from .._settings import LauncherSettings
 from .._transport import LocalTransport, TransportError
@@ -62,7 +62,7 @@ class ComposeAdapter(Adapter):
         override = {"services": {SERVICE: {"command": command.argv[2:], "environment": environment}}}
         text = (f"# Rendered by the ExaMLOps launcher for endpoint {spec.name}: the vllm service's argv.\n"
                 "# A variable without a value (the API key) is taken from the compose command's environment.\n"
-                + yaml.safe_dump(override, sort_keys=False, default_flow_style=False))
+                + dump_yaml(override))
         path = self.override_path(spec.name)
         env = {"EXAMLOPS_VLLM_MODEL": model}
         up = self.compose_argv(path, "up", "-d", SERVICE)

@@ -14,10 +14,10 @@ import shlex
 from typing import Any
 
 import grpc
-import yaml
 
 from examlops.launcher.v1 import launcher_pb2 as pb
 from examlops.registry.v1 import registry_pb2 as reg
+from examlops.yamlio import dump_yaml
 
 from .._settings import LauncherSettings
 from .._transport import LocalTransport, TransportError
@@ -112,7 +112,7 @@ class KServeAdapter(Adapter):
 
     def plan(self, spec: LaunchSpec) -> Prepared:
         manifest = self.manifest(spec)
-        text = yaml.safe_dump(manifest, sort_keys=False)
+        text = dump_yaml(manifest)
         path = self.manifest_path(spec.name)
         main = manifest["spec"]["template"]["containers"][0]
         return Prepared(plan=pb.LaunchPlan(
