@@ -149,3 +149,12 @@ def test_redis_is_a_statefulset_with_a_claim_and_a_headless_service(rendered: li
     # The registry talks to the one pod that holds the data.
     assert config["data"]["EXAMLOPS_REDIS_URL"] == "redis://redis-0.redis:6379/0"
     assert redis["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == UID
+
+
+def test_no_manifest_uses_yaml_anchors_or_aliases() -> None:
+    # People read and diff these files: every value is written out, never as &id001 / *id001.
+    files = sorted((ROOT / "k8s").rglob("*.y*ml"))
+    assert files
+    for path in files:
+        refs = [t.value for t in yaml.scan(path.read_text()) if isinstance(t, yaml.AnchorToken | yaml.AliasToken)]
+        assert not refs, f"{path.relative_to(ROOT)}: {refs}"
