@@ -5,7 +5,7 @@ SHELL := /bin/bash
 ENGINE ?= vllm
 VENV := .venv
 PY := $(VENV)/bin/python
-PACKAGES := libs/examlops services/registry services/mediaguard services/engine-proxy services/launcher services/gateway cli
+PACKAGES := libs/contracts libs/examlops tools/devstack tools/testsupport services/registry services/mediaguard services/engine-proxy services/launcher services/gateway cli
 STAMP := $(VENV)/.installed
 export EXAMLOPS_USECASE_DIR ?= $(CURDIR)/usecases
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -38,17 +38,17 @@ vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 model
 up: venv system-deps ## Start Redis, the five services and a real CPU vLLM serving SmolLM2 (ENGINE=echo: no vLLM)
 	@bash scripts/link-exa.sh $(CURDIR)/$(VENV)/bin/exa
 ifeq ($(ENGINE),echo)
-	@$(PY) -m examlops.devstack up --engine echo
+	@$(PY) -m examlops_devstack up --engine echo
 else
-	@eval "$$(bash scripts/vllm-env.sh)" && $(PY) -m examlops.devstack up --engine vllm \
+	@eval "$$(bash scripts/vllm-env.sh)" && $(PY) -m examlops_devstack up --engine vllm \
 	  --vllm-venv "$$VLLM_VENV" --model-dir "$$SMOL_MODEL_DIR"
 endif
 
 down: ## Stop exactly what `make up` started
-	@test -x $(PY) && $(PY) -m examlops.devstack down || true
+	@test -x $(PY) && $(PY) -m examlops_devstack down || true
 
 status: ## Show each part of the local stack
-	@$(PY) -m examlops.devstack status
+	@$(PY) -m examlops_devstack status
 
 logs: ## Follow the logs of the local stack
 	@tail -n 20 -F .run/logs/*.log
@@ -62,7 +62,7 @@ test-fast: venv system-deps ## Tests without the real-vLLM tier
 
 lint: venv ## ruff and mypy --strict
 	@$(VENV)/bin/ruff check .
-	@$(VENV)/bin/mypy libs/examlops/src services/*/src cli/src
+	@$(VENV)/bin/mypy libs/*/src services/*/src cli/src tools/devstack/src
 
 protos: venv ## Regenerate the gRPC stubs from protos/
 	@$(PY) scripts/gen-protos.py

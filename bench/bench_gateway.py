@@ -39,11 +39,11 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import openai  # noqa: E402
-from _fixtures import RedisServer, Stack, running_stack, start_redis  # noqa: E402
 from _report import report  # noqa: E402
 
-from examlops.devstack import Proc, free_port, spawn, wait_http  # noqa: E402
 from examlops.svc import DEFAULT_ADMIN_KEY  # noqa: E402
+from examlops_devstack import Proc, free_port, spawn, wait_http  # noqa: E402
+from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, start_redis  # noqa: E402
 
 ENDPOINT = "bench"
 CHAT_PATH = "/v1/chat/completions"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from _fixtures import Stack, free_port, wait_until
+from examlops_testsupport.fixtures import Stack, free_port, wait_until
 
 
 def test_start_list_health_chat_stop_audit(stack: Stack) -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _fixtures import Stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from examlops.devstack import SERVICES
 from examlops.launcher.v1 import launcher_pb2 as la
 from examlops.launcher.v1 import launcher_pb2_grpc as la_grpc
 from examlops.svc import error_reason
+from examlops_devstack import SERVICES
+from examlops_testsupport.fixtures import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def test_generated_stubs_are_fresh() -> None:
 def test_grpc_services_serve_health(stack: Stack, name: str) -> None:
     service = {"registry": "examlops.registry.v1.Registry", "launcher": "examlops.launcher.v1.Launcher",
                "mediaguard": "examlops.mediaguard.v1.MediaGuard",
-               "engine-proxy": "examlops.engineproxy.v1.EngineProxy"}[name]
+               "engine-proxy": "examlops.engine_proxy.v1.EngineProxy"}[name]
     with grpc.insecure_channel(stack.ports.addr(name)) as ch:
         for svc in ("", service):
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from examlops.devstack import StackPorts
+from examlops_devstack import StackPorts
 
 
 def _free(ports: StackPorts) -> bool:

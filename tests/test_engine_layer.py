@@ -9,12 +9,12 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from _fixtures import RedisServer, Stack, running_stack, wait_until
-from _recorder import RecordingServer
 
 from examlops.engine import find_model, render_vllm_command
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import DEFAULT_ADMIN_KEY, error_reason
+from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, wait_until
+from examlops_testsupport.recorder import RecordingServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from _fixtures import Stack, free_port, wait_until
 
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_testsupport.fixtures import Stack, free_port, wait_until
 
 
 @pytest.fixture(scope="module")

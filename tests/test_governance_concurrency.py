@@ -20,10 +20,10 @@ import httpx
 import openai
 import pytest
 import redis
-from _fixtures import RedisServer, Stack, running_stack, wait_until
 
-from examlops.devstack import Proc
 from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_devstack import Proc
+from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, wait_until
 
 FAST = {"EXAMLOPS_PRICE_REFRESH_S": "0.2", "EXAMLOPS_HEARTBEAT_S": "0.2", "EXAMLOPS_REPLICA_TTL_S": "1",
         "EXAMLOPS_REAPER_INTERVAL_S": "0.5"}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from _fixtures import Stack
 
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import error_reason
+from examlops_testsupport.fixtures import Stack
 
 
 def test_hpc_jobs_are_recorded_by_kind_and_audited(stack: Stack) -> None:

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fixtures import Stack, free_port
-from _slurm import ExtraLauncher, SlurmCluster, extra_launcher, wait_for, write_fake_vllm
+
+from examlops_testsupport.fixtures import Stack, free_port
+from examlops_testsupport.slurm import ExtraLauncher, SlurmCluster, extra_launcher, wait_for, write_fake_vllm
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fixtures import Stack, free_port
-from _slurm import ExtraLauncher, SlurmCluster, SshServer, closed_port, extra_launcher, wait_for, write_fake_vllm
+
+from examlops_testsupport.fixtures import Stack, free_port
+from examlops_testsupport.slurm import (
+    ExtraLauncher,
+    SlurmCluster,
+    SshServer,
+    closed_port,
+    extra_launcher,
+    wait_for,
+    write_fake_vllm,
+)
 
 SECRET = "sk-ssh-transport-test-9f8e7d"
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _fixtures import Stack
-from _slurm import ExtraLauncher, extra_launcher
+
+from examlops_testsupport.fixtures import Stack
+from examlops_testsupport.slurm import ExtraLauncher, extra_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 

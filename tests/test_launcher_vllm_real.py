@@ -15,12 +15,12 @@ from pathlib import Path
 
 import openai
 import pytest
-from _fixtures import Stack, free_port, wait_until
-from _slurm import ExtraLauncher, SlurmCluster, SshServer, extra_launcher, wait_for
-from _vllm import smol_block, smol_model_dir
 
 from examlops.engine import require_vllm_python
 from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_testsupport.fixtures import Stack, free_port, wait_until
+from examlops_testsupport.slurm import ExtraLauncher, SlurmCluster, SshServer, extra_launcher, wait_for
+from examlops_testsupport.vllm import smol_block, smol_model_dir
 
 pytestmark = pytest.mark.vllm
 LOAD_TIMEOUT_S = 600

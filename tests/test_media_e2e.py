@@ -11,9 +11,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from _fixtures import Stack, wait_until
-from _recorder import RecordingServer
-from media_corpus import (
+
+from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_testsupport.fixtures import Stack, wait_until
+from examlops_testsupport.media_corpus import (
     ALLOWED,
     HOSTILE,
     HOSTILE_REQUESTS,
@@ -25,8 +26,7 @@ from media_corpus import (
     make_media_root,
     request,
 )
-
-from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_testsupport.recorder import RecordingServer
 
 ENDPOINT = "vision-echo"  # the policy the corpus assumes (POLICY_KWARGS)
 LOCAL = "vision-local"     # the same with a local media root (corpus(root).policy_kwargs)

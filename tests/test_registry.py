@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from _fixtures import RedisServer, Stack, running_stack, start_redis, wait_until
 
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import DEFAULT_ADMIN_KEY, error_reason
+from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, start_redis, wait_until
 
 
 def test_register_validates_and_fills_defaults(stack: Stack) -> None:
@@ -127,7 +127,7 @@ def test_registry_refuses_redis_without_aof(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from examlops.devstack import free_port, spawn
+    from examlops_devstack import free_port, spawn
 
     port = free_port()
     proc = spawn("redis", ["redis-server", "--port", str(port), "--appendonly", "no", "--save", "",

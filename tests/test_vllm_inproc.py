@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from _fixtures import Stack
-from _vllm import smol_model_dir
+
+from examlops_testsupport.fixtures import Stack
+from examlops_testsupport.vllm import smol_model_dir
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _fixtures import Stack, free_port, wait_until
-from _vllm import smol_block, start_vllm
 
-from examlops.devstack import Proc
 from examlops.engine import parse_engine_block
 from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_devstack import Proc
+from examlops_testsupport.fixtures import Stack, free_port, wait_until
+from examlops_testsupport.vllm import smol_block, start_vllm
 
 pytestmark = pytest.mark.vllm
 

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from examlops.engineproxy.v1 import engineproxy_pb2_grpc as ep_grpc
+from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.launcher.v1 import launcher_pb2_grpc as la_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 

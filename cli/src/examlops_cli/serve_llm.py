@@ -12,7 +12,7 @@ import orjson
 import typer
 from rich.markup import escape
 
-from examlops.engineproxy.v1 import engineproxy_pb2 as ep_pb
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as ep_pb
 from examlops.launcher.v1 import launcher_pb2 as la
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import error_reason, parse_state, state_name

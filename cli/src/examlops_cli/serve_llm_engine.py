@@ -99,7 +99,7 @@ def batch(
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already in --output.")] = False,
 ) -> None:
     """Score a fixed corpus with in-process vLLM (engine vllm-inproc), writing results as they come."""
-    from examlops.engine._inproc import InprocWorker, InprocWorkerError
+    from examlops.engine import InprocWorker, InprocWorkerError
 
     block = resolve_block(model)
     if block.engine not in ("vllm-inproc", "vllm-server"):

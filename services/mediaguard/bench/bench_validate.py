@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
-from examlops.engine._multimodal import MultimodalPolicy
+from examlops.engine import MultimodalPolicy
 from examlops_mediaguard._validate import validate_messages
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"

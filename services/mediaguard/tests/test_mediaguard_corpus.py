@@ -9,7 +9,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from media_corpus import (
+
+from examlops.engine import MultimodalPolicy
+from examlops_mediaguard._validate import REJECTION_CODES, MediaRejected, validate_messages
+from examlops_testsupport.media_corpus import (
     ALLOWED,
     HOSTILE,
     HOSTILE_REQUESTS,
@@ -23,9 +26,6 @@ from media_corpus import (
     make_media_root,
     request,
 )
-
-from examlops.engine._multimodal import MultimodalPolicy
-from examlops_mediaguard._validate import REJECTION_CODES, MediaRejected, validate_messages
 
 POLICY = MultimodalPolicy(**POLICY_KWARGS)
 

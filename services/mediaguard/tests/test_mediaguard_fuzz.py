@@ -15,7 +15,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from examlops.engine._multimodal import MultimodalPolicy
+from examlops.engine import MultimodalPolicy
 from examlops_mediaguard._validate import REJECTION_CODES, MediaRejected, validate_messages
 
 ALLOWED_DOMAINS = ("example.com", "img.example.org")

@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from media_corpus import (
+
+from examlops.engine import MultimodalPolicy
+from examlops_mediaguard._validate import (
+    REJECTION_CODES,
+    MediaRejected,
+    has_media,
+    strip_media,
+    validate_messages,
+)
+from examlops_testsupport.media_corpus import (
     ALLOWED,
     HOSTILE,
     JPEG,
@@ -23,15 +32,6 @@ from media_corpus import (
     image,
     make_media_root,
     request,
-)
-
-from examlops.engine._multimodal import MultimodalPolicy
-from examlops_mediaguard._validate import (
-    REJECTION_CODES,
-    MediaRejected,
-    has_media,
-    strip_media,
-    validate_messages,
 )
 
 POLICY = MultimodalPolicy(**POLICY_KWARGS)

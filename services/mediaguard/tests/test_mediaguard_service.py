@@ -8,12 +8,12 @@ from typing import Any
 
 import grpc
 import pytest
-from media_corpus import POLICY_KWARGS, request
 from prometheus_client import REGISTRY
 
 from examlops.mediaguard.v1 import mediaguard_pb2 as pb
 from examlops.svc import PARAM_KEY, REASON_KEY
 from examlops_mediaguard._service import MediaGuardServicer
+from examlops_testsupport.media_corpus import POLICY_KWARGS, request
 
 
 class _Aborted(Exception):

@@ -6,7 +6,7 @@ import asyncio
 
 from prometheus_client import start_http_server
 
-from examlops.engineproxy.v1 import engineproxy_pb2_grpc as pb_grpc
+from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import (
@@ -23,7 +23,7 @@ from ._pool import EnginePool
 from ._service import EngineProxyServicer
 from ._settings import EngineProxySettings
 
-SERVICE = "examlops.engineproxy.v1.EngineProxy"
+SERVICE = "examlops.engine_proxy.v1.EngineProxy"
 
 
 async def run(settings: EngineProxySettings) -> None:

@@ -10,8 +10,8 @@ import grpc
 import orjson
 from prometheus_client import Counter
 
-from examlops.engineproxy.v1 import engineproxy_pb2 as pb
-from examlops.engineproxy.v1 import engineproxy_pb2_grpc as pb_grpc
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
+from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import RouteTable, abort, state_name, unroutable_reason

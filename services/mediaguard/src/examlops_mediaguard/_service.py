@@ -7,7 +7,7 @@ import orjson
 from prometheus_client import Counter
 from pydantic import ValidationError
 
-from examlops.engine._multimodal import MultimodalPolicy
+from examlops.engine import MultimodalPolicy
 from examlops.mediaguard.v1 import mediaguard_pb2 as pb
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as pb_grpc
 from examlops.svc import abort

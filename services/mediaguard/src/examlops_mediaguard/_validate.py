@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-from examlops.engine._multimodal import MultimodalPolicy
+from examlops.engine import MultimodalPolicy
 from examlops.mediaparts import MEDIA_FIELDS, TEXT_PART_TYPES, has_media, is_text_type
 
 from ._data import INPUT_AUDIO_FORMATS, check_base64_payload, check_data_url

@@ -7,6 +7,7 @@
 
 from ._errors import MISSING, EngineBlockError, EngineBlockIssue
 from ._flags import SGLANG_OWNED_FLAGS, VLLM_OWNED_FLAGS
+from ._inproc import InprocWorker, InprocWorkerError
 from ._multimodal import MODALITY_MEDIA, MediaKind, Modality, MultimodalPolicy
 from ._pack import (
     USECASE_DIR_ENV,
@@ -68,6 +69,8 @@ __all__ = [
     "EngineBlock",
     "EngineBlockError",
     "EngineBlockIssue",
+    "InprocWorker",
+    "InprocWorkerError",
     "LaunchCommand",
     "MediaKind",
     "Modality",

@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from examlops.engineproxy.v1 import engineproxy_pb2 as pb
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from examlops.engineproxy.v1 import engineproxy_pb2 as pb
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 from ._base import Generation
 

@@ -14,9 +14,8 @@ from typing import Any
 
 import orjson
 
-from examlops.engine import EngineBlock
-from examlops.engine._inproc import InprocWorker, InprocWorkerError
-from examlops.engineproxy.v1 import engineproxy_pb2 as pb
+from examlops.engine import EngineBlock, InprocWorker, InprocWorkerError
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 from .._errors import AllBackendsFailed
 from ._base import Generation

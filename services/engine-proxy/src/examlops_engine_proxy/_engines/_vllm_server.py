@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from examlops.engineproxy.v1 import engineproxy_pb2 as pb
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 from .._errors import AllBackendsFailed, EngineRejected
 from ._base import Generation

@@ -1,4 +1,4 @@
-"""python -m examlops.devstack up|down|status — see _up.py."""
+"""python -m examlops_devstack up|down|status — see _up.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ._up import RunDir, down, status, up
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m examlops.devstack",
+    parser = argparse.ArgumentParser(prog="python -m examlops_devstack",
                                      description="Run the ExaMLOps stack as local background processes.")
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="State, pid files and logs.")
     parser.add_argument("--port-offset", type=int, default=int(os.environ.get("EXAMLOPS_DEV_PORT_OFFSET", "0")),

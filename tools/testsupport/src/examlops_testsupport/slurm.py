@@ -19,14 +19,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from _fixtures import Stack
+from examlops_devstack import Proc, service_argv, spawn, wait_grpc
+from examlops_testsupport import REPO_ROOT
+from examlops_testsupport.fixtures import Stack
 
-from examlops.devstack import Proc, spawn, wait_grpc
-from examlops.devstack._stack import service_argv
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 SCRIPTS = ROOT / "scripts"
-FAKE_VLLM = Path(__file__).with_name("_fake_vllm.py")
+FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
 
 
 def _script_env(script: str, action: str, env: dict[str, str], timeout: float = 900) -> dict[str, str]:
@@ -135,7 +134,7 @@ class ExtraLauncher:
 
 @contextmanager
 def extra_launcher(stack: Stack, workdir: Path, name: str, settings: dict[str, str]) -> Iterator[ExtraLauncher]:
-    from examlops.devstack import free_port
+    from examlops_devstack import free_port
 
     port = free_port()
     env = {**stack.env("launcher"), **settings, "EXAMLOPS_PORT": str(port)}

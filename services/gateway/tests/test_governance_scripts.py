@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import redis
-from _fixtures import RedisServer
 
 from examlops_gateway._governor import load_script
 from examlops_gateway._keys import KEY_INDEX, digest, new_key, redis_keys
+from examlops_testsupport.fixtures import RedisServer
 
 TOKEN_PRICE_IN = 2_000_000    # micro-USD per Mtok: 2 micro-USD per prompt token
 TOKEN_PRICE_OUT = 10_000_000  # 10 micro-USD per completion token

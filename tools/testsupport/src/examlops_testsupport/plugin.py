@@ -1,11 +1,14 @@
+"""The session fixtures every test tier shares: Redis, the stack of services, Slurm, sshd."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fixtures import RedisServer, Stack, running_stack, start_redis
-from _slurm import SlurmCluster, SshServer, slurm_cluster, ssh_server
+
+from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, start_redis
+from examlops_testsupport.slurm import SlurmCluster, SshServer, slurm_cluster, ssh_server
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,19 @@ from pathlib import Path
 import grpc
 import redis
 
-from examlops.devstack import SERVICES, Proc, StackPorts, free_port, service_env, spawn, wait_grpc, wait_http
-from examlops.devstack._stack import service_argv
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
+from examlops_devstack import (
+    SERVICES,
+    Proc,
+    StackPorts,
+    free_port,
+    service_argv,
+    service_env,
+    spawn,
+    wait_grpc,
+    wait_http,
+)
 
 
 @dataclass

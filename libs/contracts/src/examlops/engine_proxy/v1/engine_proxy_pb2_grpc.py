@@ -4,7 +4,7 @@
 import grpc
 import warnings
 
-from examlops.engineproxy.v1 import engineproxy_pb2 as examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in examlops/engineproxy/v1/engineproxy_pb2_grpc.py depends on'
+        + ' but the generated code in examlops/engine_proxy/v1/engine_proxy_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,14 +36,14 @@ class EngineProxyStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/examlops.engineproxy.v1.EngineProxy/Generate',
-                request_serializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.GenerateChunk.FromString,
+                '/examlops.engine_proxy.v1.EngineProxy/Generate',
+                request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.ListRoutes = channel.unary_unary(
-                '/examlops.engineproxy.v1.EngineProxy/ListRoutes',
-                request_serializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.ListRoutesRequest.SerializeToString,
-                response_deserializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.ListRoutesResponse.FromString,
+                '/examlops.engine_proxy.v1.EngineProxy/ListRoutes',
+                request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesRequest.SerializeToString,
+                response_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesResponse.FromString,
                 _registered_method=True)
 
 
@@ -68,19 +68,19 @@ def add_EngineProxyServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.GenerateRequest.FromString,
-                    response_serializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.FromString,
+                    response_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.SerializeToString,
             ),
             'ListRoutes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRoutes,
-                    request_deserializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.ListRoutesRequest.FromString,
-                    response_serializer=examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.ListRoutesResponse.SerializeToString,
+                    request_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesRequest.FromString,
+                    response_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'examlops.engineproxy.v1.EngineProxy', rpc_method_handlers)
+            'examlops.engine_proxy.v1.EngineProxy', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('examlops.engineproxy.v1.EngineProxy', rpc_method_handlers)
+    server.add_registered_method_handlers('examlops.engine_proxy.v1.EngineProxy', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -101,9 +101,9 @@ class EngineProxy:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/examlops.engineproxy.v1.EngineProxy/Generate',
-            examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.GenerateRequest.SerializeToString,
-            examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.GenerateChunk.FromString,
+            '/examlops.engine_proxy.v1.EngineProxy/Generate',
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -128,9 +128,9 @@ class EngineProxy:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/examlops.engineproxy.v1.EngineProxy/ListRoutes',
-            examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.ListRoutesRequest.SerializeToString,
-            examlops_dot_engineproxy_dot_v1_dot_engineproxy__pb2.ListRoutesResponse.FromString,
+            '/examlops.engine_proxy.v1.EngineProxy/ListRoutes',
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesRequest.SerializeToString,
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesResponse.FromString,
             options,
             channel_credentials,
             insecure,

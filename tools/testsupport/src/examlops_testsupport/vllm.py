@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examlops.devstack import Proc, spawn
-from examlops.devstack._procs import http_ok
 from examlops.engine import find_model, render_vllm_command, require_vllm_python
+from examlops_devstack import Proc, http_ok, spawn
+from examlops_testsupport import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 USECASES = ROOT / "usecases"
 
 

@@ -29,8 +29,10 @@ from examlops_launcher._probe import parse_vllm_metrics
 from examlops_launcher._settings import LauncherSettings
 from examlops_launcher._spec import launch_spec
 from examlops_launcher._transport import LocalTransport
+from examlops_testsupport import REPO_ROOT
+from examlops_testsupport.fake_vllm import METRICS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 USECASES = ROOT / "usecases"
 CRD = ROOT.parent / "shared" / "reference" / "kserve" / "serving.kserve.io_llminferenceservices.yaml"
 SECRET = "sk-render-test-0123456789"
@@ -158,9 +160,6 @@ def test_endpoint_file_belongs_to_its_job() -> None:
 
 
 def test_vllm_metrics_headline_numbers() -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _fake_vllm import METRICS
-
     m = parse_vllm_metrics(METRICS)
     assert m["requests_running"] == 1 and m["requests_waiting"] == 2 and m["kv_cache_usage"] == 0.25
     assert m["ttft_mean_s"] == pytest.approx(0.2) and m["ttft_requests"] == 4

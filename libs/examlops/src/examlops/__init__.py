@@ -1,1 +1,0 @@
-"""ExaMLOps serving plane shared library."""
