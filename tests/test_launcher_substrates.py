@@ -94,4 +94,10 @@ def test_serve_manifest_prints_the_llminferenceservice(substrates: ExtraLauncher
     assert manifest["kind"] == "LLMInferenceService" and manifest["metadata"]["name"] == "qwen-vl"
     main = manifest["spec"]["template"]["containers"][0]
     assert main["command"] == ["vllm", "serve", "Qwen/Qwen3-VL-8B-Instruct"] and "--limit-mm-per-prompt" in main["args"]
+    # Two nodes: the worker repeats the head's resources and env, written in full (no &id001/*id001).
+    out = substrates.cli(stack, "serve", "manifest", "qwen-vl", "--nodes", "2", "--gpus", "2", env=cli_env())
+    assert out.returncode == 0, out.stderr
+    assert not [t for t in yaml.scan(out.stdout) if isinstance(t, yaml.AnchorToken | yaml.AliasToken)]
+    spec = yaml.safe_load(out.stdout)["spec"]
+    assert spec["worker"]["containers"][0]["resources"] == spec["template"]["containers"][0]["resources"]
     assert substrates.cli(stack, "--json", "serve", "llm", "list").stdout == before  # nothing recorded

@@ -34,7 +34,8 @@ from examlops_testsupport.fake_vllm import METRICS
 
 ROOT = REPO_ROOT
 USECASES = ROOT / "usecases"
-CRD = ROOT.parent / "shared" / "reference" / "kserve" / "serving.kserve.io_llminferenceservices.yaml"
+#: KServe's CRD, vendored unchanged with its license and upstream commit (third_party/kserve/README.md).
+CRD = ROOT / "third_party" / "kserve" / "serving.kserve.io_llminferenceservices.yaml"
 SECRET = "sk-render-test-0123456789"
 
 
@@ -183,7 +184,7 @@ def _strict(schema: Any) -> Any:
 @functools.cache
 def crd_versions() -> dict[str, Any]:
     if not CRD.is_file():
-        pytest.fail(f"the KServe CRD is missing at {CRD} (shared/reference/kserve)")
+        pytest.fail(f"the KServe CRD is missing at {CRD} (vendored in third_party/kserve)")
     crd = yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     return {v["name"]: v for v in crd["spec"]["versions"]}
 
@@ -230,6 +231,24 @@ def test_kserve_api_key_comes_from_a_secret() -> None:
     env = {e["name"]: e for e in manifest["spec"]["template"]["containers"][0]["env"]}
     assert env["VLLM_API_KEY"] == {"name": "VLLM_API_KEY", "valueFrom": {
         "secretKeyRef": {"name": "llama-8b-vllm-api-key", "key": "VLLM_API_KEY"}}}
+
+
+def test_kserve_manifest_writes_what_head_and_worker_share_in_full() -> None:
+    # Head and worker share one resources dict and one env list: yaml.safe_dump would write them
+    # once with an anchor (&id001) and then as aliases (*id001). People read and diff manifests.
+    fields = {"nodes": 2, "gpus_per_node": 4, "tensor_parallel_size": 4, "pipeline_parallel_size": 2}
+    adapter = build_adapters(LauncherSettings(), LocalTransport())["kserve"]
+    request = pb.StartRequest(name="llama-8b", launcher="kserve", engine_block_json=json.dumps(block("llama-8b")),
+                              **fields)
+    data = adapter.manifest(launch_spec(request))  # type: ignore[attr-defined]
+    assert "&id001" in yaml.safe_dump(data)  # the control: the data does share objects
+    p = plan("kserve", **fields)
+    assert [t for t in yaml.scan(p.manifest) if isinstance(t, yaml.AnchorToken | yaml.AliasToken)] == []
+    assert "&id" not in p.manifest and "*id" not in p.manifest and list(p.files.values()) == [p.manifest]
+    spec = yaml.safe_load(p.manifest)["spec"]
+    head, worker = spec["template"]["containers"][0], spec["worker"]["containers"][0]
+    assert worker["resources"] == head["resources"] and worker["env"] == head["env"]
+    assert yaml.safe_load(p.manifest) == data
 
 
 def _fake_kubectl(tmp_path: Path, ready: bool, apply_ok: bool) -> str:
