@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export EXAMLOPS_USECASE_DIR ?= $(CURDIR)/usecases
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help up down status logs test test-fast lint protos bench venv system-deps vllm-env clean
+.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps vllm-env clean
 
 help: ## Show the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -66,6 +66,9 @@ lint: venv ## ruff and mypy --strict
 
 protos: venv ## Regenerate the gRPC stubs from protos/
 	@$(PY) scripts/gen-protos.py
+
+lock: venv ## Recompile every service image's hashed lock (services/<name>/requirements.lock; needs PyPI)
+	@$(PY) scripts/lock_images.py
 
 bench: venv system-deps ## Gateway overhead, and governance's added cost, against in-run baselines
 	@$(PY) bench/bench_gateway.py
