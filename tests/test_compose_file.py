@@ -93,11 +93,12 @@ def test_redis_keeps_an_fsynced_append_only_file_on_a_named_volume(default_stack
     assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
 
 
-def test_services_build_from_their_dockerfiles_at_the_repo_root(default_stack: dict[str, Any]) -> None:
+def test_services_build_from_the_one_recipe_at_the_repo_root(default_stack: dict[str, Any]) -> None:
     for name in SERVICES:
         svc = default_stack["services"][name]
         assert Path(svc["build"]["context"]) == ROOT, name
-        assert svc["build"]["dockerfile"] == f"services/{name}/Dockerfile"
+        assert svc["build"]["dockerfile"] == "services/Dockerfile"
+        assert svc["build"]["args"] == {"SERVICE": name}
         assert svc["image"] == f"examlops/{name}:0.1.0"
 
 
