@@ -1,7 +1,8 @@
-"""The governance Lua scripts on a real Redis: admission, reserve/settle exactly once, reaping, GCRA.
+"""The governance Lua scripts on a real Redis: admission, reserve/settle exactly once, reaping, GCRA,
+and one key check (check_key) shared by reserve.lua and key_models.lua.
 
-These call reserve.lua, settle.lua and reap.lua as the gateway does (same keys, same arguments),
-without the HTTP layer, so each rule is checked on its own.
+These call the scripts as the gateway does (same keys, the same named arguments), without the HTTP
+layer, so each rule is checked on its own.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from examlops_gateway._governor import load_script
-from examlops_gateway._keys import KEY_INDEX, digest, new_key, redis_keys
+from examlops_gateway.governance import KEY_INDEX, ReserveArgs, SettleArgs, digest, load_script, new_key, redis_keys
 from examlops_testsupport.fixtures import RedisServer
 
 TOKEN_PRICE_IN = 2_000_000    # micro-USD per Mtok: 2 micro-USD per prompt token
@@ -29,7 +29,8 @@ def _script(r: redis.Redis, name: str) -> Any:
 class Scripts:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        self.reserve_s, self.settle_s, self.reap_s = (_script(r, n) for n in ("reserve.lua", "settle.lua", "reap.lua"))
+        self.reserve_s, self.settle_s, self.reap_s, self.key_models_s = (
+            _script(r, n) for n in ("reserve.lua", "settle.lua", "reap.lua", "key_models.lua"))
 
     def key(self, models: str = ",m,", budget: int = -1, rpm: int = 0, tpm: int = 0,
             expires_ms: int = 0) -> tuple[str, str]:
@@ -45,16 +46,33 @@ class Scripts:
     def reserve(self, key_id: str, token: str, prompt: int = 10, asked: int = 0, model: str = "m",
                 replica: str = "r1", n: int = 1, priced: bool = True, res_id: str = "") -> tuple[list[str], str]:
         res_id = res_id or secrets.token_hex(8)
-        out = self.reserve_s(keys=redis_keys(key_id)[:2], args=[
-            digest(token), model, res_id, replica, prompt, prompt * TOKEN_PRICE_IN, n * TOKEN_PRICE_OUT, n,
-            asked, 100, int(priced), 600_000])
+        out = self.reserve_s(keys=redis_keys(key_id)[:2], args=self.reserve_args(
+            token, prompt=prompt, asked=asked, model=model, replica=replica, n=n, priced=priced, res_id=res_id).argv())
         return out, res_id
+
+    @staticmethod
+    def reserve_args(token: str, prompt: int = 10, asked: int = 0, model: str = "m", replica: str = "r1", n: int = 1,
+                     priced: bool = True, res_id: str = "") -> ReserveArgs:
+        return ReserveArgs(key_hash=digest(token), model=model, res_id=res_id or secrets.token_hex(8),
+                           replica_id=replica, prompt_tokens=prompt, prompt_cost=prompt * TOKEN_PRICE_IN,
+                           output_rate=n * TOKEN_PRICE_OUT, n=n, max_tokens_asked=asked, default_max_tokens=100,
+                           priced=priced, lease_ms=600_000)
 
     def settle(self, key_id: str, res_id: str, prompt: int, completion: int) -> list[str]:
         cost = -(-(prompt * TOKEN_PRICE_IN + completion * TOKEN_PRICE_OUT) // 1_000_000)
-        out: list[str] = self.settle_s(keys=redis_keys(key_id), args=[
-            res_id, cost, prompt, completion, key_id, "m", "200", 1, 1, 0, 0, 1, 0])
+        out: list[str] = self.settle_s(keys=redis_keys(key_id), args=SettleArgs(
+            res_id=res_id, cost_micro=cost, prompt_tokens=prompt, completion_tokens=completion, key_id=key_id,
+            model="m", status="200", latency_ms=1, ttft_ms=1, stream=False, estimated=False, priced=True,
+            trim_ms=0).argv())
         return out
+
+    def key_models(self, key_id: str, token: str) -> list[str]:
+        out: list[str] = self.key_models_s(keys=redis_keys(key_id)[:1], args=[digest(token)])
+        return out
+
+    def redis_now_ms(self) -> int:
+        secs, micros = self.r.time()  # type: ignore[misc]
+        return int(secs) * 1000 + int(micros) // 1000
 
     def reap(self, key_id: str, live: list[str]) -> int:
         return int(self.reap_s(keys=redis_keys(key_id), args=[key_id, 600_000, 0, *live]))
@@ -169,3 +187,26 @@ def test_tpm_refund_makes_room_again(s: Scripts) -> None:
     assert s.reserve(key_id, token, prompt=500, asked=1)[0][:2] == ["deny", "tpm_exceeded"]
     s.settle(key_id, res_id, 100, 10)  # used 110 of its 1,000
     assert s.reserve(key_id, token, prompt=500, asked=1)[0][0] == "ok"
+
+
+def test_listing_and_admission_judge_a_key_by_one_check_on_redis_clock(s: Scripts) -> None:
+    """key_models.lua (/v1/models) and reserve.lua run the same check_key on Redis TIME: run back to
+    back in one transaction, they agree on every key state, expiry instants included."""
+    now = s.redis_now_ms()
+    cases = {"valid": s.key(), "expires_later": s.key(expires_ms=now + 60_000),
+             "expired_now": s.key(expires_ms=now), "expired_before": s.key(expires_ms=now - 1)}
+    revoked = s.key()
+    s.r.hset(redis_keys(revoked[0])[0], "revoked_ms", 1)
+    cases["revoked"] = revoked
+    for name, (key_id, token) in {**cases, "wrong_secret": (cases["valid"][0], cases["valid"][1] + "x")}.items():
+        with s.r.pipeline(transaction=True) as pipe:
+            s.key_models_s(keys=redis_keys(key_id)[:1], args=[digest(token)], client=pipe)
+            s.reserve_s(keys=redis_keys(key_id)[:2], args=s.reserve_args(token).argv(), client=pipe)
+            listed, reserved = pipe.execute()
+        assert listed[0] == reserved[0], (name, listed, reserved)
+        if listed[0] == "deny":
+            assert listed[1] == reserved[1], (name, listed, reserved)
+        expected = {"valid": "ok", "expires_later": "ok", "wrong_secret": "invalid_api_key",
+                    "revoked": "key_revoked"}.get(name, "key_expired")
+        assert (listed[0] if expected == "ok" else listed[1]) == expected, (name, listed)
+    assert s.key_models(*cases["valid"]) == ["ok", ",m,"]

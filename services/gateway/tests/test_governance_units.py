@@ -5,10 +5,18 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from examlops_gateway._budget import cost_micro_usd, estimate_prompt_tokens, requested_max_tokens, with_max_tokens
-from examlops_gateway._keys import ID_LEN, digest, new_key, parse_key
-from examlops_gateway._prices import Price
-from examlops_gateway._protocol import ChatCompletionRequest, CompletionRequest
+from examlops_gateway.governance import (
+    ID_LEN,
+    Price,
+    cost_micro_usd,
+    digest,
+    estimate_prompt_tokens,
+    new_key,
+    parse_key,
+    requested_max_tokens,
+    with_max_tokens,
+)
+from examlops_gateway.http import ChatCompletionRequest, CompletionRequest
 
 
 def test_virtual_key_format_and_parse() -> None:

@@ -18,18 +18,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from starlette.responses import Response
 
-from examlops.engineproxy.v1 import engineproxy_pb2_grpc as ep_grpc
+from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable, configure_logging, insecure_channel, load_settings, watch_routes
 
-from ._admin import router as admin_router
-from ._errors import install_error_handlers
-from ._governor import Governor
-from ._openai import router as openai_router
-from ._prices import PriceBook, follow_prices
-from ._reaper import Reaper
 from ._settings import GatewaySettings
 from ._state import GatewayState
+from .governance import Governor, PriceBook, Reaper, follow_prices
+from .http import StateDep, admin_router, install_error_handlers, install_openapi, openai_router
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +87,10 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
+    install_openapi(app)
 
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        state: GatewayState = app.state.gateway
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz(state: StateDep) -> Response:
         synced = state.routes.synced.is_set()
         priced = state.prices.synced.is_set()
         body = {"status": "ok" if synced and priced else "starting", "routes": len(state.routes.routable()),
@@ -102,7 +98,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         return Response(orjson.dumps(body), status_code=200 if synced and priced else 503,
                         media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 

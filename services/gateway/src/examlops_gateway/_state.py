@@ -7,13 +7,12 @@ from dataclasses import dataclass
 import grpc
 import redis.asyncio as redis
 
-from examlops.engineproxy.v1 import engineproxy_pb2_grpc as ep_grpc
+from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable
 
-from ._governor import Governor
-from ._prices import PriceBook
 from ._settings import GatewaySettings
+from .governance import Governor, PriceBook
 
 
 @dataclass(slots=True)

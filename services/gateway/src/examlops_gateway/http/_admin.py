@@ -20,21 +20,23 @@ from typing import Any
 
 import grpc
 import orjson
-from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
 from examlops.registry.v1 import registry_pb2 as reg
 
-from ._auth import require_admin
-from ._body import read_body
-from ._cost import GROUPS, spend_summary
-from ._errors import OpenAIError, from_validation
-from ._keys import MODEL_RE, KeyLimits, KeyStore, new_key, now_ms, public_row, usd_to_micro
-from ._state import GatewayState
+from .._state import GatewayState
+from ..governance import GROUPS, MODEL_RE, KeyLimits, KeyStore, new_key, now_ms, public_row, spend_summary, usd_to_micro
+from ._body import parse_body
+from ._deps import StateDep, require_admin
+from ._errors import OpenAIError, error_responses
+from ._openapi import parsed_body
 
-router = APIRouter(prefix="/admin")
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)],
+                   responses=error_responses(400, 401, 403, 404, 413, 503))
+_ADMIN_BODY_LIMIT = 1024 * 1024
 
 
 class _Limits(BaseModel):
@@ -55,22 +57,8 @@ class UpdateKey(_Limits):
     models: list[str] | None = Field(default=None, min_length=1, max_length=256)
 
 
-def _state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    require_admin(request, state)
-    return state
-
-
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
-
-
-async def _body(request: Request, state: GatewayState, model: type[BaseModel]) -> Any:
-    raw = await read_body(request, 1024 * 1024)
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
 
 
 def _check(models: list[str] | None, expires_at: int | None) -> None:
@@ -116,10 +104,9 @@ async def _existing(store: KeyStore, key_id: str) -> dict[str, str]:
     return f
 
 
-@router.post("/keys")
-async def issue_key(request: Request) -> Response:
-    state = _state(request)
-    body: IssueKey = await _body(request, state, IssueKey)
+@router.post("/keys", status_code=201, openapi_extra=parsed_body(IssueKey))
+async def issue_key(request: Request, state: StateDep) -> Response:
+    _, body = await parse_body(request, _ADMIN_BODY_LIMIT, IssueKey)
     _check(body.models, body.expires_at)
     key_id, token = new_key()
     limits = _limits(body, body.models)
@@ -139,8 +126,7 @@ async def issue_key(request: Request) -> Response:
 
 
 @router.get("/keys")
-async def list_keys(request: Request, include_revoked: bool = False) -> Response:
-    state = _state(request)
+async def list_keys(state: StateDep, include_revoked: bool = False) -> Response:
     rows = [public_row(f) for f in await KeyStore(state.redis).all()]
     rows = [r for r in rows if include_revoked or r["state"] != "revoked"]
     rows.sort(key=lambda r: (r["tenant"], r["project"], r["created_at"], r["id"]))
@@ -148,15 +134,13 @@ async def list_keys(request: Request, include_revoked: bool = False) -> Response
 
 
 @router.get("/keys/{key_id}")
-async def get_key(request: Request, key_id: str) -> Response:
-    state = _state(request)
+async def get_key(state: StateDep, key_id: str) -> Response:
     return _json(public_row(await _existing(KeyStore(state.redis), key_id)))
 
 
-@router.patch("/keys/{key_id}")
-async def update_key(request: Request, key_id: str) -> Response:
-    state = _state(request)
-    body: UpdateKey = await _body(request, state, UpdateKey)
+@router.patch("/keys/{key_id}", openapi_extra=parsed_body(UpdateKey))
+async def update_key(request: Request, state: StateDep, key_id: str) -> Response:
+    _, body = await parse_body(request, _ADMIN_BODY_LIMIT, UpdateKey)
     _check(body.models, body.expires_at)
     store = KeyStore(state.redis)
     before = await _existing(store, key_id)
@@ -169,8 +153,7 @@ async def update_key(request: Request, key_id: str) -> Response:
 
 
 @router.post("/keys/{key_id}/revoke")
-async def revoke_key(request: Request, key_id: str) -> Response:
-    state = _state(request)
+async def revoke_key(request: Request, state: StateDep, key_id: str) -> Response:
     store = KeyStore(state.redis)
     before = await _existing(store, key_id)
     if int(before.get("revoked_ms", "0")):
@@ -181,9 +164,8 @@ async def revoke_key(request: Request, key_id: str) -> Response:
 
 
 @router.get("/spend")
-async def spend(request: Request, group_by: str = "key", since: int = 0) -> Response:
+async def spend(state: StateDep, group_by: str = "key", since: int = 0) -> Response:
     """`since`: unix seconds (0: all the records kept)."""
-    state = _state(request)
     if group_by not in GROUPS:
         raise OpenAIError(400, f"group_by must be one of {', '.join(GROUPS)}", code="invalid_value", param="group_by")
     ids = await KeyStore(state.redis).ids()
@@ -192,8 +174,7 @@ async def spend(request: Request, group_by: str = "key", since: int = 0) -> Resp
 
 
 @router.get("/prices")
-async def prices(request: Request) -> Response:
-    state = _state(request)
+async def prices(state: StateDep) -> Response:
     return _json({"object": "list", "synced": state.prices.synced.is_set(), "data": [
         {"model": m, "input_per_mtok": p.input_micro_per_mtok / 1e6, "output_per_mtok": p.output_micro_per_mtok / 1e6}
         for m, p in sorted(state.prices.prices.items())]})

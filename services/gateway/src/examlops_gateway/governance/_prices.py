@@ -1,4 +1,5 @@
-"""The price table, followed from the registry by a periodic ListPrices (never per request).
+"""Money and prices: integer micro-USD, and the price table followed from the registry by a
+periodic ListPrices (never per request).
 
 Rule for a model without a price: it is refused (403 `model_not_priced`) for keys with a budget,
 so that no budget is spent on something the gateway cannot count; unbudgeted keys and the admin
@@ -18,11 +19,25 @@ from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 
 log = logging.getLogger(__name__)
 
+MICRO = 1_000_000  # micro-USD per USD; every amount of money is an integer number of micro-USD
+
 
 @dataclass(frozen=True, slots=True)
 class Price:
     input_micro_per_mtok: int    # micro-USD per million prompt tokens
     output_micro_per_mtok: int   # micro-USD per million completion tokens
+
+
+def usd_to_micro(usd: float) -> int:
+    return round(usd * MICRO)
+
+
+def cost_micro_usd(prompt_tokens: int, completion_tokens: int, price: Price | None) -> int:
+    """Exact integer cost, rounded up to the next micro-USD (never under-charged); 0 when unpriced."""
+    if price is None:
+        return 0
+    num = prompt_tokens * price.input_micro_per_mtok + completion_tokens * price.output_micro_per_mtok
+    return -(-num // MICRO)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ them run on Redis Cluster too:
                           spent, reserved (micro-USD), requests, prompt_tokens, completion_tokens,
                           reaped; rpm_tat, tpm_tat (GCRA state, ms)
   {vk:<id>}:res   HASH    open reservations (reserve.lua) and "reaped:<res_id>" markers (reap.lua)
-  {vk:<id>}:cost  STREAM  one cost record per call (settle.lua, reap.lua)
+  {vk:<id>}:cost  STREAM  one cost record per call (append_cost in lua/_prelude.lua)
   {exa:gw}:keys   SET     every key id (listing, the reaper, the spend summary)
 The admin key is recorded under the id `admin` (no reservations, no limits).
 """
@@ -27,11 +27,12 @@ from typing import Any, cast
 
 import redis.asyncio as redis
 
+from ._prices import MICRO
+
 PREFIX = "sk-exa-"
 ID_LEN = 12
 ADMIN_ID = "admin"
 KEY_INDEX = "{exa:gw}:keys"
-MICRO = 1_000_000
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 _ID_RE = re.compile(r"^[0-9a-f]{12}$")
 
@@ -64,10 +65,6 @@ def parse_key(token: str) -> str | None:
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def usd_to_micro(usd: float) -> int:
-    return round(usd * MICRO)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,8 @@
-"""One error shape for every error: OpenAI's `{"error": {message, type, code, param}}`."""
+"""One error shape for every error: OpenAI's `{"error": {message, type, code, param}}`.
+
+`OpenAIError` is what handlers raise; `ErrorResponse` is the same shape as a model, for the OpenAPI
+document (`error_responses`). Governance's typed refusals are mapped to it in _denials.py.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,38 @@ from typing import Any
 
 import grpc
 import orjson
-from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import Response
 
 from examlops.svc import error_reason
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong, for a person.")
+    type: str = Field(description="The error's class, as OpenAI names them (invalid_request_error, ...).")
+    code: str | None = Field(description="Machine-readable reason (invalid_api_key, budget_exceeded, ...).")
+    param: str | None = Field(description="The request field at fault, if one is.")
+
+
+class ErrorResponse(BaseModel):
+    """Every error the gateway answers, whatever its status."""
+
+    error: ErrorDetail
+
+
+_STATUS_MEANING = {
+    400: "Invalid request body or parameter", 401: "Missing, unknown, revoked or expired API key",
+    403: "The key may not do this (model not allowed or not priced, admin key required)",
+    404: "Unknown model, endpoint not routed, or unknown record", 413: "Request body too large",
+    429: "Budget exceeded or rate limit reached", 502: "Every backend of the endpoint failed",
+    503: "A dependency (engine-proxy, Redis, registry) is unavailable",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A router's `responses=`: each status with the error shape, so /openapi.json describes it."""
+    return {s: {"model": ErrorResponse, "description": _STATUS_MEANING[s]} for s in statuses}
 
 
 class OpenAIError(Exception):
@@ -60,27 +89,3 @@ def from_grpc(exc: grpc.aio.AioRpcError, endpoint: str) -> OpenAIError:
                            type="service_unavailable", code="engine_proxy_unavailable")
     status, typ = _GRPC_TO_HTTP.get(exc.code(), (500, "internal_error"))
     return OpenAIError(status, details, type=typ, code=reason or exc.code().name.lower(), param=param or None)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    async def openai_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, OpenAIError)
-        return exc.response()
-
-    async def validation_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        return from_validation(exc).response()
-
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
-
-    async def unexpected(_: Request, exc: Exception) -> Response:
-        return OpenAIError(500, f"internal error: {type(exc).__name__}", type="internal_error",
-                           code="internal_error").response()
-
-    app.add_exception_handler(OpenAIError, openai_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)

@@ -24,24 +24,31 @@ silent for EXAMLOPS_REPLICA_TTL_S. With text prompts and live replicas the overs
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import orjson
 
-from ._prices import Price
 
-MICRO = 1_000_000
-
-
-def cost_micro_usd(prompt_tokens: int, completion_tokens: int, price: Price | None) -> int:
-    """Exact integer cost, rounded up to the next micro-USD (never under-charged)."""
-    if price is None:
-        return 0
-    num = prompt_tokens * price.input_micro_per_mtok + completion_tokens * price.output_micro_per_mtok
-    return -(-num // MICRO)
+class Message(Protocol):
+    @property
+    def content(self) -> Any: ...
 
 
-def estimate_prompt_tokens(raw: bytes, messages: list[Any] | None, overhead: int, media_tokens: int) -> int:
+class Generation(Protocol):
+    """What admission reads of a parsed request (the HTTP layer's protocol models)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def n(self) -> int | None: ...
+    @property
+    def max_tokens(self) -> int | None: ...
+
+
+def estimate_prompt_tokens(raw: bytes, messages: Sequence[Message] | None, overhead: int, media_tokens: int) -> int:
     """An upper bound of the prompt's tokens (see the module docstring)."""
     size = len(raw)
     media = 0
@@ -55,7 +62,7 @@ def estimate_prompt_tokens(raw: bytes, messages: list[Any] | None, overhead: int
     return max(size, 0) + media * media_tokens + overhead
 
 
-def requested_max_tokens(req: Any) -> int:
+def requested_max_tokens(req: Generation) -> int:
     """The client's output bound per choice (0: none); max_completion_tokens wins, as in vLLM."""
     return int(getattr(req, "max_completion_tokens", None) or req.max_tokens or 0)
 

@@ -5,34 +5,28 @@
 -- KEYS[1] {vk:<id>}:key  HASH  the key: hash, models, budget, limits, counters (see _keys.py)
 -- KEYS[2] {vk:<id>}:res  HASH  open reservations, res_id -> "cost|tokens|ms_per_token|tpm_end|
 --                              replica|deadline_ms|model|max_tokens"
--- ARGV  1 sha256 of the presented key      2 model             3 reservation id   4 replica id
+-- ARGV (built by _scripts.ReserveArgs)
+--       1 sha256 of the presented key      2 model             3 reservation id   4 replica id
 --       5 prompt tokens, an upper bound    6 prompt tokens x input micro-USD per Mtok
 --       7 n x output micro-USD per Mtok    8 n (choices)       9 max_tokens asked (0: none)
 --      10 max_tokens when none is asked and the key is bounded  11 priced (1/0)  12 lease in ms
 -- Returns {"ok", max_tokens, reserved micro-USD, tenant, project, bounded (1/0)}
---      or {"deny", code, detail}
--- Money is integer micro-USD; times are Redis' own clock in ms, shared by every replica.
+--      or {"deny", code, detail}         (decoded by _scripts.Admission.from_reply)
+-- Money is integer micro-USD.
 
--- num() and split() come from _prelude.lua, prepended when the script is loaded.
-local function int(x) return string.format('%d', x) end
-
-local f = redis.call('HMGET', KEYS[1], 'hash', 'revoked_ms', 'expires_ms', 'models', 'budget', 'spent',
-                     'reserved', 'rpm', 'rpm_tat', 'tpm', 'tpm_tat', 'tenant', 'project')
-if not f[1] or f[1] ~= ARGV[1] then return {'deny', 'invalid_api_key', ''} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-if num(f[2]) > 0 then return {'deny', 'key_revoked', ''} end
-if num(f[3]) > 0 and now >= num(f[3]) then return {'deny', 'key_expired', ''} end
-if not string.find(f[4] or '', ',' .. ARGV[2] .. ',', 1, true) then
-  return {'deny', 'model_not_allowed', f[4] or ''}
-end
+-- num(), int(), now_ms(), check_key() and reservation() come from _prelude.lua.
+local f = redis.call('HMGET', KEYS[1], KEY_FIELDS[1], KEY_FIELDS[2], KEY_FIELDS[3], KEY_FIELDS[4], 'budget',
+                     'spent', 'reserved', 'rpm', 'rpm_tat', 'tpm', 'tpm_tat', 'tenant', 'project')
+local now = now_ms()
+local refused = check_key(f, ARGV[1], ARGV[2], now)
+if refused then return refused end
 
 -- A retried call (the reply was lost) must not reserve twice: answer what was decided.
 local seen = redis.call('HGET', KEYS[2], ARGV[3])
 if seen then
-  local p = split(seen)
+  local r = reservation(seen)
   local bounded = (num(f[5]) >= 0 or num(f[10]) > 0) and '1' or '0'
-  return {'ok', p[8], p[1], f[12] or '', f[13] or '', bounded}
+  return {'ok', r.max_tokens, int(r.cost), f[12] or '', f[13] or '', bounded}
 end
 
 local budget, rpm, tpm = num(f[5]), num(f[8]), num(f[10])

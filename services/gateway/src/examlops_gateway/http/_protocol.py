@@ -19,7 +19,9 @@ class ChatMessage(BaseModel):
     content: str | list[Any] | None = None
 
 
-class _Common(BaseModel):
+class GenerationRequest(BaseModel):
+    """What every generation request has (chat and completions)."""
+
     # strict: "stream": "yes" is an error, not True (OpenAI refuses it too)
     model_config = ConfigDict(extra="allow", strict=True)
     model: str = Field(min_length=1)
@@ -31,10 +33,10 @@ class _Common(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -16,10 +16,10 @@ from typing import Any, cast
 
 import redis.asyncio as redis
 
+from .._settings import GatewaySettings
 from ._cost import REAPED
-from ._governor import load_script
 from ._keys import KEY_INDEX, redis_keys
-from ._settings import GatewaySettings
+from ._scripts import load_script
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Cost records: the per-call stream settle.lua appends to, its Prometheus counters, the spend summary.
+"""Cost records: the per-call stream the scripts append to (append_cost in lua/_prelude.lua), its
+Prometheus counters, and the spend summary.
 
 A record (one per call, in `{vk:<id>}:cost`) carries model, key, tenant, project, prompt_tokens,
 completion_tokens, cost_micro_usd, latency_ms, ttft_ms, status (HTTP status; 499 when the client
@@ -15,7 +16,8 @@ from typing import Any, cast
 import redis.asyncio as redis
 from prometheus_client import Counter
 
-from ._keys import ADMIN_ID, MICRO, redis_keys
+from ._keys import ADMIN_ID, redis_keys
+from ._prices import MICRO
 
 CALLS = Counter("examlops_gateway_calls_total", "Settled calls, by model, project and status.",
                 ["model", "project", "status"])

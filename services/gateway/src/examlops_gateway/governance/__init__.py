@@ -1,0 +1,35 @@
+"""Governance: virtual keys, prices, budgets, rate limits, cost records and the reaper.
+
+Every rule that must hold across replicas runs inside a Lua script (lua/) on Redis' clock; this
+package loads them, feeds them named arguments and reads their replies. See GOVERNANCE.md.
+"""
+
+from ._budget import Generation, estimate_prompt_tokens, requested_max_tokens, with_max_tokens
+from ._cost import GROUPS, spend_summary
+from ._errors import Denied, GovernanceUnavailable
+from ._governor import Caller, Governor, Ticket, Usage
+from ._keys import (
+                    ADMIN_ID,
+                    ID_LEN,
+                    KEY_INDEX,
+                    MODEL_RE,
+                    KeyLimits,
+                    KeyStore,
+                    digest,
+                    new_key,
+                    now_ms,
+                    parse_key,
+                    public_row,
+                    redis_keys,
+)
+from ._prices import MICRO, Price, PriceBook, cost_micro_usd, follow_prices, usd_to_micro
+from ._reaper import Reaper
+from ._scripts import Admission, ReserveArgs, SettleArgs, load_script, script_source
+
+__all__ = [
+    "ADMIN_ID", "GROUPS", "ID_LEN", "KEY_INDEX", "MICRO", "MODEL_RE", "Admission", "Caller", "Denied", "Generation",
+    "GovernanceUnavailable", "Governor", "KeyLimits", "KeyStore", "Price", "PriceBook", "Reaper", "ReserveArgs",
+    "SettleArgs", "Ticket", "Usage", "cost_micro_usd", "digest", "estimate_prompt_tokens", "follow_prices",
+    "load_script", "new_key", "now_ms", "parse_key", "public_row", "redis_keys", "requested_max_tokens",
+    "script_source", "spend_summary", "usd_to_micro", "with_max_tokens",
+]

@@ -1,0 +1,171 @@
+"""Governance on the request path: one Redis round trip to admit a call, one to settle it.
+
+Governor.admit(): reserve.lua checks the virtual key (check_key), the allow-list, the budget and the
+rate limits and reserves, atomically. The admin key skips it (every model, no budget, no limit).
+Ticket.settle(): settle.lua charges the real cost and appends the cost record, exactly once per
+call, whether the call ends normally, fails in the engine or loses its client.
+Governor.allowed_models(): key_models.lua, the same key check on the same clock, for /v1/models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as redis
+
+from .._settings import GatewaySettings
+from ._budget import Generation, estimate_prompt_tokens, requested_max_tokens, with_max_tokens
+from ._cost import OVERRUNS, count
+from ._errors import GovernanceUnavailable
+from ._keys import ADMIN_ID, redis_keys
+from ._prices import Price, PriceBook, cost_micro_usd
+from ._scripts import Admission, ReserveArgs, SettleArgs, allowed_models, load_script
+
+log = logging.getLogger(__name__)
+
+
+class Usage(Protocol):
+    """The engine's token counts (engine-proxy's Usage message)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    key_id: str          # ADMIN_ID for the admin key
+    key_hash: str = ""   # sha256 of the presented virtual key
+
+    @property
+    def admin(self) -> bool:
+        return self.key_id == ADMIN_ID
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One admitted call, until it is settled."""
+
+    gov: Governor
+    caller: Caller
+    res_id: str              # '' for the admin key, which reserves nothing
+    model: str
+    body: bytes              # the request body for the engine (max_tokens set when bounded)
+    stream: bool
+    price: Price | None
+    prompt_bound: int
+    max_tokens: int          # per choice; 0: unbounded
+    n: int
+    reserved_micro: int
+    project: str
+    started: float
+    ttft_s: float = 0.0
+    settled: bool = False
+
+    def first_chunk(self) -> None:
+        self.ttft_s = time.perf_counter() - self.started
+
+    async def settle(self, status: str, usage: Usage | None = None, produced: int | None = 0) -> None:
+        """Charge the call once. Without the engine's usage: `produced` chunks were forwarded (each at
+        least one token), or None for a complete answer of unknown length (charged at its bound)."""
+        if self.settled:
+            return
+        self.settled = True
+        await self._settle(status, usage, produced)
+
+    def settle_later(self, status: str, usage: Usage | None = None,
+                     produced: int | None = 0) -> asyncio.Task[None] | None:
+        """Settle in a task of its own, which a client going away cannot cancel."""
+        if self.settled:
+            return None
+        self.settled = True
+        task = asyncio.get_running_loop().create_task(self._settle(status, usage, produced))
+        self.gov.background.add(task)
+        task.add_done_callback(self.gov.background.discard)
+        return task
+
+    async def _settle(self, status: str, usage: Usage | None, produced: int | None) -> None:
+        if usage is not None:
+            prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
+        elif produced == 0:
+            prompt, completion, estimated = 0, 0, False  # nothing came back: nothing to charge
+        else:
+            bound = self.max_tokens * self.n if self.max_tokens else 0
+            done = bound if produced is None else (min(produced, bound) if bound else produced)
+            prompt, completion, estimated = self.prompt_bound, done, True
+        cost = cost_micro_usd(prompt, completion, self.price)
+        if cost > self.reserved_micro and not self.caller.admin and self.reserved_micro:
+            OVERRUNS.labels(self.model).inc()
+        gov = self.gov
+        args = SettleArgs(
+            res_id=self.res_id, cost_micro=cost, prompt_tokens=prompt, completion_tokens=completion,
+            key_id=self.caller.key_id, model=self.model, status=status,
+            latency_ms=round((time.perf_counter() - self.started) * 1000, 2), ttft_ms=round(self.ttft_s * 1000, 2),
+            stream=self.stream, estimated=estimated, priced=self.price is not None, trim_ms=gov.trim_ms)
+        try:
+            await gov.settle_script(keys=redis_keys(self.caller.key_id), args=args.argv())
+        except redis.RedisError as exc:
+            # The reservation stays; the reaper returns it once its lease runs out.
+            log.error("cannot settle call of key %s on %s (%s): cost %d micro-USD not recorded",
+                      self.caller.key_id, self.model, exc, cost)
+            return
+        if status != "404":  # an unrouted name is the client's string: not a metric label
+            count(self.model, self.project, status, prompt, completion, cost)
+
+
+class Governor:
+    """Admission and settlement of calls, for one gateway replica."""
+
+    def __init__(self, settings: GatewaySettings, client: redis.Redis, prices: PriceBook, replica_id: str) -> None:
+        self.settings, self.redis, self.prices, self.replica_id = settings, client, prices, replica_id
+        self.trim_ms = int(settings.cost_retention_days * 86_400_000)
+        self.lease_ms = int((settings.request_timeout_s + settings.reservation_grace_s) * 1000)
+        self.reserve_script = load_script(client, "reserve.lua")
+        self.settle_script = load_script(client, "settle.lua")
+        self.key_models_script = load_script(client, "key_models.lua")
+        self.background: set[asyncio.Task[None]] = set()
+
+    async def admit(self, caller: Caller, req: Generation, raw: bytes, started: float) -> Ticket:
+        """Reserve the call's maximum cost and rate-limit room; raises Denied or GovernanceUnavailable."""
+        model = req.model
+        price = self.prices.get(model)
+        n = req.n or 1
+        if caller.admin:
+            return Ticket(gov=self, caller=caller, res_id="", model=model, body=raw, stream=req.stream, price=price,
+                          prompt_bound=0, max_tokens=0, n=n, reserved_micro=0, project="", started=started)
+        s = self.settings
+        prompt = estimate_prompt_tokens(raw, getattr(req, "messages", None), s.prompt_overhead_tokens,
+                                        s.media_part_tokens)
+        asked = requested_max_tokens(req)
+        args = ReserveArgs(
+            key_hash=caller.key_hash, model=model, res_id=secrets.token_hex(8), replica_id=self.replica_id,
+            prompt_tokens=prompt, prompt_cost=prompt * price.input_micro_per_mtok if price else 0,
+            output_rate=n * price.output_micro_per_mtok if price else 0, n=n, max_tokens_asked=asked,
+            default_max_tokens=s.default_max_tokens, priced=price is not None, lease_ms=self.lease_ms)
+        try:
+            reply = await self.reserve_script(keys=redis_keys(caller.key_id)[:2], args=args.argv())
+        except redis.RedisError as exc:
+            raise GovernanceUnavailable(exc) from None
+        adm = Admission.from_reply(reply, caller.key_id, model)
+        body = raw
+        if adm.bounded and (asked == 0 or adm.max_tokens < asked):
+            body = with_max_tokens(raw, adm.max_tokens)
+        return Ticket(gov=self, caller=caller, res_id=args.res_id, model=model, body=body, stream=req.stream,
+                      price=price, prompt_bound=prompt, max_tokens=adm.max_tokens if adm.bounded else asked, n=n,
+                      reserved_micro=adm.reserved_micro, project=adm.project, started=started)
+
+    async def allowed_models(self, caller: Caller) -> set[str] | None:
+        """None for the admin key; a virtual key's allow-list once the key checks out (else Denied)."""
+        if caller.admin:
+            return None
+        try:
+            reply = await self.key_models_script(keys=redis_keys(caller.key_id)[:1], args=[caller.key_hash])
+        except redis.RedisError as exc:
+            raise GovernanceUnavailable(exc) from None
+        return allowed_models(reply, caller.key_id)

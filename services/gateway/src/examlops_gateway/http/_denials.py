@@ -1,0 +1,83 @@
+"""Governance's refusals as a client gets them (the table in GOVERNANCE.md), and the handlers that
+turn every exception into the one error shape."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from ..governance import MICRO, Denied, GovernanceUnavailable
+from ._errors import OpenAIError, from_validation
+
+_NO_RETRY = {"x-should-retry": "false"}
+_KEY_CODES = ("invalid_api_key", "key_revoked", "key_expired")
+
+
+def from_denial(d: Denied) -> OpenAIError:
+    key_id, model = d.key_id, d.model
+    if d.code in _KEY_CODES:
+        message = {"invalid_api_key": "incorrect API key provided",
+                   "key_revoked": f"key {key_id} has been revoked",
+                   "key_expired": f"key {key_id} has expired"}[d.code]
+        return OpenAIError(401, message, code=d.code, headers={"WWW-Authenticate": "Bearer", **_NO_RETRY})
+    if d.code == "model_not_allowed":
+        allowed = ", ".join(d.allowed) or "none"
+        return OpenAIError(403, f"key {key_id} may not use model '{model}' (allowed: {allowed})",
+                           type="permission_error", code="model_not_allowed", param="model", headers=_NO_RETRY)
+    if d.code == "model_not_priced":
+        return OpenAIError(403, f"model '{model}' has no price, and key {key_id} has a budget: set one with "
+                                f"`exa gateway price set {model} --input-per-mtok USD --output-per-mtok USD`",
+                           type="permission_error", code="model_not_priced", param="model", headers=_NO_RETRY)
+    if d.code == "budget_exceeded":
+        return OpenAIError(429, f"budget of key {key_id} exceeded: {d.left_micro / MICRO:.6f} USD left, less than "
+                                "this request's prompt and one output token cost",
+                           type="insufficient_quota", code="budget_exceeded", headers=_NO_RETRY)
+    if d.code == "tpm_too_small":
+        return OpenAIError(429, f"the prompt alone is larger than the tokens-per-minute limit ({d.detail}) of "
+                                f"key {key_id}: shorten it, or raise the key's --tpm",
+                           type="rate_limit_error", code="rate_limit_exceeded", headers=_NO_RETRY)
+    what = "requests" if d.code == "rpm_exceeded" else "tokens"
+    return OpenAIError(429, f"{what}-per-minute limit of key {key_id} reached; retry in {d.retry_after_s} s",
+                       type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(d.retry_after_s)})
+
+
+def governance_unavailable(exc: GovernanceUnavailable) -> OpenAIError:
+    return OpenAIError(503, f"the governance store (Redis) is unavailable: {exc.cause_name}",
+                       type="service_unavailable", code="governance_unavailable")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def openai_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return exc.response()
+
+    async def denied(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, Denied)
+        return from_denial(exc).response()
+
+    async def unavailable(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GovernanceUnavailable)
+        return governance_unavailable(exc).response()
+
+    async def validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return from_validation(exc).response()
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
+
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        return OpenAIError(500, f"internal error: {type(exc).__name__}", type="internal_error",
+                           code="internal_error").response()
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(Denied, denied)
+    app.add_exception_handler(GovernanceUnavailable, unavailable)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

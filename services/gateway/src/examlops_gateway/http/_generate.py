@@ -1,0 +1,155 @@
+"""The route and generate stages: find the endpoint, call engine-proxy.Generate, send the answer
+back (whole or streamed unbuffered), and settle the call when the answer ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+from prometheus_client import Counter, Histogram
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
+from examlops.svc import RouteTable, unroutable_reason
+
+from .._state import GatewayState
+from ..governance import Ticket
+from ._errors import OpenAIError, from_grpc
+
+REQUESTS = Counter("examlops_gateway_requests_total", "Gateway generation requests.",
+                   ["model", "status"])
+LATENCY = Histogram("examlops_gateway_request_seconds", "Time to the response head (first chunk).",
+                    ["model"], buckets=(0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 120))
+
+MEDIA_HEADER = "x-examlops-media-parts-dropped"
+WARNING_HEADER = "x-examlops-warning"
+CLIENT_GONE = "499"
+
+
+async def route(routes: RouteTable, ticket: Ticket) -> None:
+    """404 unless the model names a routable endpoint; a refused call gives its reservation back."""
+    model = ticket.model
+    ep = routes.get(model)
+    if ep is None:
+        why = f"The model '{model}' does not exist or is not registered"
+    elif (reason := unroutable_reason(ep)) is not None:
+        why = f"The model '{model}' is not routed: {reason}"
+    else:
+        return
+    err = OpenAIError(404, why, code="model_not_found", param="model")
+    if not ticket.caller.admin:  # the admin key reserved nothing
+        await ticket.settle(str(err.status))
+    raise err
+
+
+async def generate(state: GatewayState, kind: int, ticket: Ticket) -> Response:
+    """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves)."""
+    model = ticket.model
+    request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body)  # type: ignore[arg-type]
+    call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
+    start = time.perf_counter()
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        err = from_grpc(exc, model)
+        REQUESTS.labels(model, str(err.status)).inc()
+        await ticket.settle(str(err.status))
+        raise err from None
+    except BaseException:
+        call.cancel()
+        ticket.settle_later(CLIENT_GONE)
+        raise
+    finally:
+        LATENCY.labels(model).observe(time.perf_counter() - start)
+    ticket.first_chunk()
+    if first is grpc.aio.EOF:
+        REQUESTS.labels(model, "502").inc()
+        await ticket.settle("502")
+        raise OpenAIError(502, f"endpoint:{model} returned nothing", type="AllBackendsFailed",
+                          code="all_backends_failed")
+    headers = _notice_headers(first)
+    REQUESTS.labels(model, "200").inc()
+    if not ticket.stream:
+        return _SettledAnswer(first, ticket, headers)
+    return _SettledStream(_sse(call, first, ticket), call, ticket, headers)
+
+
+class _SettledAnswer(Response):
+    """A whole answer, settled once it is sent (off the latency path); the engine's work is charged
+    even if the client is gone by then."""
+
+    def __init__(self, first: pb.GenerateChunk, ticket: Ticket, headers: dict[str, str] | None) -> None:
+        super().__init__(first.data, media_type="application/json", headers=headers)
+        self.ticket = ticket
+        self.usage = first.usage if first.HasField("usage") else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.settle_later("200", self.usage, None)
+
+
+class _SettledStream(StreamingResponse):
+    """A stream whose call is settled even when the client leaves before the first chunk is sent."""
+
+    def __init__(self, content: AsyncIterator[bytes], call: Any, ticket: Ticket,
+                 headers: dict[str, str] | None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.call, self.ticket = call, ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.ticket.settled:  # _sse never ran: one chunk had come back from the engine
+                self.call.cancel()
+                self.ticket.settle_later(CLIENT_GONE, None, 1)
+
+
+def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
+    """What engine-proxy wants the client to know (dropped media, a degraded engine)."""
+    if not first.media_parts_dropped and not first.warnings:
+        return None
+    headers = {WARNING_HEADER: "; ".join(first.warnings).encode("ascii", "replace").decode()}
+    if first.media_parts_dropped:
+        headers[MEDIA_HEADER] = str(first.media_parts_dropped)
+    return headers
+
+
+async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket) -> AsyncIterator[bytes]:
+    """Forward chunks as they come; settle before [DONE], or in the background if the client left."""
+    chunk = first
+    produced = 0
+    status, usage, error = "200", None, b""
+    try:
+        try:
+            while True:
+                if chunk.data:
+                    produced += 1
+                    yield b"data: " + chunk.data + b"\n\n"
+                if chunk.final:
+                    usage = chunk.usage if chunk.HasField("usage") else None
+                    break
+                chunk = await call.read()
+                if chunk is grpc.aio.EOF:
+                    break
+        except grpc.aio.AioRpcError as exc:
+            err = from_grpc(exc, ticket.model)
+            status, error = str(err.status), b"data: " + orjson.dumps(err.body()) + b"\n\n"
+        settling = ticket.settle_later(status, usage, produced)
+        if settling is not None:
+            await asyncio.shield(settling)
+        if error:
+            yield error
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not ticket.settled:  # the client went away mid-stream: stop the engine, charge what it made
+            call.cancel()
+            ticket.settle_later(CLIENT_GONE, None, produced)

@@ -1,0 +1,31 @@
+"""The request path of a generation, in one function: its stages in hot-path order.
+
+Each stage lives in its wing: auth (_deps.caller, resolved by FastAPI before the handler runs),
+parse (_body), admit (governance: key, allow-list, rate limits, budget reservation, one Redis
+round trip), route and generate (_generate), settle (governance.Ticket, called by the response
+when the answer ends, however it ends: one Redis round trip).
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .._state import GatewayState
+from ..governance import Caller
+from ._body import parse_body
+from ._generate import generate, route
+from ._protocol import GenerationRequest
+
+
+async def serve_generation(request: Request, state: GatewayState, caller: Caller, kind: int,
+                           schema: type[GenerationRequest]) -> Response:
+    started = time.perf_counter()
+    raw, req = await parse_body(request, state.settings.max_body_bytes, schema)  # parse
+    ticket = await state.governor.admit(caller, req, raw, started)               # admit
+    # guard: an input guardrail (guardrails/) checks `ticket` here, before any engine call
+    # cache: a response-cache lookup (cache/) may answer here, settling `ticket` itself
+    await route(state.routes, ticket)                                            # route
+    return await generate(state, kind, ticket)                                   # generate → settle
