@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _deploy import DEPENDS_ON, GRPC_SERVICES, ROOT, SERVICES, tool
 
 from examlops.svc import DEFAULT_PORTS
+from examlops_testsupport.deploy import DEPENDS_ON, GRPC_SERVICES, ROOT, SERVICES, tool
 
 
 def compose(*args: str, model: str | None = None) -> subprocess.CompletedProcess[str]:

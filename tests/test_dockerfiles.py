@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from _deploy import ROOT, SERVICES, UID, load_script, module_of
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from examlops.svc import DEFAULT_PORTS
+from examlops_testsupport.deploy import ROOT, SERVICES, UID, load_script, module_of
 
 DOCKERFILE = ROOT / "services" / "Dockerfile"
 lock_images = load_script("lock_images")

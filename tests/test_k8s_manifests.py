@@ -14,9 +14,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from _deploy import GRPC_SERVICES, ROOT, SERVICES, UID, tool
 
 from examlops.svc import DEFAULT_PORTS
+from examlops_testsupport.deploy import GRPC_SERVICES, ROOT, SERVICES, UID, tool
 
 
 @pytest.fixture(scope="module")

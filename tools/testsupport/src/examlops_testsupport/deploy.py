@@ -9,7 +9,9 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from examlops_testsupport import REPO_ROOT
+
+ROOT = REPO_ROOT
 BIN = Path(sys.executable).parent
 SERVICES = ("registry", "launcher", "mediaguard", "engine-proxy", "gateway")
 GRPC_SERVICES = tuple(s for s in SERVICES if s != "gateway")
