@@ -3,12 +3,118 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from examlops_devstack import StackPorts
+import pytest
+
+from examlops_devstack import Proc, StackPorts, spawn
+from examlops_devstack._up import RunDir, down
+
+# A leader with three children, as `vllm serve` has its engine core and workers: one inherits the
+# environment (marked as ours), one execs with an empty one (ours but unmarked, as vLLM's EngineCore
+# is once setproctitle wiped its environment: known only from the pid file), and one starts with an
+# empty environment after the pid file was written (a stranger, as far as anyone can tell).
+TREE = """
+import os, sys, time
+def child(env):
+    if os.fork() == 0:
+        if env is None:
+            time.sleep(600)
+        os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)"], env)
+child(None)
+child({})
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+child({})
+time.sleep(600)
+"""
+
+
+def _group(pgid: int) -> list[int]:
+    """Every live process of the group, ours or not."""
+    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and _in_group(int(p), pgid))
+
+
+def _in_group(pid: int, pgid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, _ppid, pgrp = f.read().rsplit(") ", 1)[1].split()[:3]
+    except OSError:
+        return False
+    return state not in ("Z", "X") and int(pgrp) == pgid
+
+
+def _wait_group(pgid: int, size: int) -> list[int]:
+    deadline = time.monotonic() + 10
+    while len(members := _group(pgid)) < size:
+        assert time.monotonic() < deadline, members
+        time.sleep(0.02)
+    return members
+
+
+@dataclass
+class Tree:
+    run: RunDir
+    proc: Proc
+    stranger: int
+
+    def kill_leader(self) -> list[int]:
+        """SIGKILL the leader as the OOM killer would; returns the children it leaves behind."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.popen.wait(timeout=5)
+        left = _group(self.proc.pid)
+        assert len(left) == 3, "the children outlive their leader"
+        return left
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[Tree]:
+    """A process tree started and recorded the way `up` starts a part, as the run's vllm."""
+    run = RunDir((tmp_path / "run").resolve())
+    go = tmp_path / "go"
+    proc = spawn("vllm", [sys.executable, "-c", TREE, str(go)], run.env, run.logs / "vllm.log")
+    ours = _wait_group(proc.pid, 3)
+    run.record("vllm", proc)
+    go.touch()
+    stranger = next(p for p in _wait_group(proc.pid, 4) if p not in ours)
+    yield Tree(run, proc, stranger)
+    for pid in _group(proc.pid):  # whatever a failed test left
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_down_stops_the_children_a_killed_leader_left_and_spares_strangers(
+        tree: Tree, capsys: pytest.CaptureFixture[str]) -> None:
+    tree.kill_leader()
+    down(tree.run)
+    assert _group(tree.proc.pid) == [tree.stranger]
+    assert "vllm: stopped 2 leftover process(es) whose leader" in capsys.readouterr().err
+    assert not tree.run.pidfile("vllm").exists()
+
+
+def test_proc_stop_stops_the_whole_group_even_after_its_leader_died(tmp_path: Path) -> None:
+    """What the test fixtures do with a vLLM, whether its API server is alive or was killed."""
+    for kill_leader_first in (False, True):
+        proc = spawn("tree", [sys.executable, "-c", TREE, str(tmp_path / "never")], {}, tmp_path / "tree.log")
+        try:
+            _wait_group(proc.pid, 3)
+            proc.remember_group()
+            if kill_leader_first:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.popen.wait(timeout=5)
+                assert len(_group(proc.pid)) == 2
+            proc.stop()
+            assert _group(proc.pid) == []
+        finally:
+            for pid in _group(proc.pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _free(ports: StackPorts) -> bool:
@@ -20,16 +126,19 @@ def _free(ports: StackPorts) -> bool:
 
 
 def _devstack(run_dir: Path, offset: int, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "examlops.devstack", "--run-dir", str(run_dir),
+    return subprocess.run([sys.executable, "-m", "examlops_devstack", "--run-dir", str(run_dir),
                            "--port-offset", str(offset), *args], capture_output=True, text=True, timeout=180)
 
 
-def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tmp_path: Path) -> None:
+def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> None:
     offset = next(o for o in range(3000, 3300, 7) if _free(StackPorts.with_offset(o)))
-    run = tmp_path / "run"
+    run = tree.run.root
+    tree.kill_leader()  # a previous run's vLLM whose API server was killed
     try:
         first = _devstack(run, offset, "up", "--engine", "echo")
         assert first.returncode == 0, first.stderr
+        assert "vllm: stopped 2 leftover process(es) of a previous run" in first.stderr
+        assert _group(tree.proc.pid) == [tree.stranger]
         assert "answered through the gateway" in first.stderr and "echo: What is the capital" in first.stderr
         assert "OpenAI(base_url=" in first.stdout
         status = json.loads(_devstack(run, offset, "status", "--json").stdout)

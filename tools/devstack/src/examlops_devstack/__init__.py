@@ -3,8 +3,8 @@
 Developer tooling: installed in the development environment, never in a service image.
 """
 
-from ._procs import Proc, free_port, http_ok, spawn, stop_pid, wait_grpc, wait_http
+from ._procs import Proc, free_port, group_members, http_ok, spawn, stop_group, wait_grpc, wait_http
 from ._stack import SERVICES, StackPorts, service_argv, service_env
 
-__all__ = ["SERVICES", "Proc", "StackPorts", "free_port", "http_ok", "service_argv", "service_env", "spawn",
-           "stop_pid", "wait_grpc", "wait_http"]
+__all__ = ["SERVICES", "Proc", "StackPorts", "free_port", "group_members", "http_ok", "service_argv", "service_env",
+           "spawn", "stop_group", "wait_grpc", "wait_http"]

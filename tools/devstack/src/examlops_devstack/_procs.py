@@ -7,8 +7,9 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -22,14 +23,26 @@ def free_port() -> int:
         return port
 
 
+#: Set in the environment of every process `spawn` starts and inherited by its children: one way a
+#: member of a group is told apart from a stranger that reuses its numbers. Not the only way:
+#: setproctitle (Redis, vLLM's EngineCore) wipes /proc/<pid>/environ, hence the snapshots below.
+SPAWN_ID_ENV = "EXAMLOPS_SPAWN_ID"
+#: The run directory of `make up` (python -m examlops_devstack): marks the processes it started.
+RUN_DIR_ENV = "EXAMLOPS_RUN_DIR"
+
+
 @dataclass
 class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    marker: str = ""
+    #: pid -> start time of the members seen while the leader was unreaped (see remember_group).
+    known: dict[int, int] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
+        """The leader's pid, which is also its process group and session id (its own session)."""
         return self.popen.pid
 
     def alive(self) -> bool:
@@ -41,9 +54,16 @@ class Proc:
         except OSError:
             return ""
 
+    def remember_group(self) -> None:
+        """Note the group's current members. While the leader is not reaped its pid cannot be reused,
+        so every process of its group is ours; after that only remembered or marked ones are."""
+        if self.popen.returncode is None:
+            self.known.update(group_snapshot(self.pid))
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
-        if self.alive():
-            stop_pid(self.pid, sig, timeout_s)
+        """Stop the whole group, the leader's children included even when the leader already died."""
+        self.remember_group()
+        stop_group(self.pid, self.marker, self.known, sig, timeout_s)
         try:
             self.popen.wait(timeout=1)
         except subprocess.TimeoutExpired:
@@ -52,12 +72,18 @@ class Proc:
 
 def spawn(name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
           cwd: Path | None = None) -> Proc:
-    """Start `argv` detached in its own process group, stdout+stderr appended to `log_path`."""
+    """Start `argv` in its own session and process group, stdout+stderr appended to `log_path`.
+
+    Its processes are marked by `env`'s EXAMLOPS_RUN_DIR when given (so a later run can recognise
+    them from a pid file), else by a fresh EXAMLOPS_SPAWN_ID.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, SPAWN_ID_ENV: uuid.uuid4().hex, **env}
+    marker_key = RUN_DIR_ENV if RUN_DIR_ENV in env else SPAWN_ID_ENV
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, **env}, cwd=cwd, start_new_session=True)
-    return Proc(name, popen, log_path)
+                                 env=full_env, cwd=cwd, start_new_session=True)
+    return Proc(name, popen, log_path, f"{marker_key}={full_env[marker_key]}")
 
 
 def pid_alive(pid: int) -> bool:
@@ -74,23 +100,79 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def stop_pid(pid: int, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
-    """Signal the process group of `pid`, escalate to SIGKILL after `timeout_s`."""
+def _stat(pid: int | str) -> tuple[int, int, int] | None:
+    """(process group, session, start time in clock ticks) of a live process, None when gone."""
     try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        return
-    except PermissionError:
-        os.kill(pid, sig)
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[2]), int(fields[3]), int(fields[19])
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of a live process: with its pid, an identity no later process can take."""
+    stat = _stat(pid)
+    return None if stat is None else stat[2]
+
+
+def group_snapshot(pgid: int) -> dict[int, int]:
+    """pid -> start time of every live process in the process group or session `pgid`.
+
+    Trust it only while the leader `pgid` is alive or an unreaped child of the caller: the kernel
+    does not reuse a pid that is still a group or session id, so then every member descends from it.
+    """
+    members = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := _stat(entry.name)) is not None and pgid in stat[:2]:
+            members[int(entry.name)] = stat[2]
+    return members
+
+
+def group_members(pgid: int, marker: str, known: Mapping[int, int] | None = None) -> list[int]:
+    """Live processes of the group or session `pgid` that are ours: their environment holds
+    `marker` ("KEY=value" as spawn set it), or their pid and start time are in `known`.
+
+    A group whose leader died keeps its id, and vLLM's engine core and workers stay in it; the
+    checks keep a number reused since from matching a stranger.
+    """
+    members = []
+    for pid, started in group_snapshot(pgid).items():
+        if known and known.get(pid) == started:
+            members.append(pid)
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker and marker.encode() in f.read().split(b"\0"):
+                    members.append(pid)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return sorted(members)
+
+
+def stop_group(pgid: int, marker: str, known: Mapping[int, int] | None = None, sig: int = signal.SIGTERM,
+               timeout_s: float = 15.0) -> list[int]:
+    """Signal every member of the group `pgid` that is ours (see group_members), SIGKILL what is
+    left after `timeout_s`; returns the pids it found. Never signals the group id as a whole."""
+    found = group_members(pgid, marker, known)
+    _signal_each(found, sig)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return
+    while (left := group_members(pgid, marker, known)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    _signal_each(left, signal.SIGKILL)
+    while group_members(pgid, marker, known) and time.monotonic() < deadline + 5:
+        time.sleep(0.05)
+    return found
+
+
+def _signal_each(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _wait(check: Callable[[], bool], what: str, timeout_s: float, proc: Proc | None) -> None:

@@ -2,6 +2,11 @@
 
 State lives in `.run/` of the checkout: one pid file per part it started, logs in `.run/logs/`,
 Redis data in `.run/redis/`. `up` starts only what is down; `down` stops exactly what `up` started.
+
+Each part runs in its own session, so its pid is also its process group id, and every process of it
+carries EXAMLOPS_RUN_DIR=<run dir> in its environment. A part is stopped as a whole group (vLLM's
+engine core and workers with its API server), and a group whose leader died (an OOM kill of the
+API server) is still found from its pid file and stopped: by `down`, or by the next `up` first.
 """
 
 from __future__ import annotations
@@ -17,7 +22,18 @@ from pathlib import Path
 
 from examlops.svc import DEFAULT_ADMIN_KEY
 
-from ._procs import grpc_serving, http_ok, pid_alive, spawn, stop_pid, wait_grpc, wait_http
+from ._procs import (
+    RUN_DIR_ENV,
+    Proc,
+    group_members,
+    grpc_serving,
+    http_ok,
+    spawn,
+    start_time,
+    stop_group,
+    wait_grpc,
+    wait_http,
+)
 from ._stack import SERVICES, StackPorts, service_argv, service_env
 
 PARTS = ["redis", *SERVICES, "vllm"]
@@ -40,16 +56,55 @@ class RunDir:
     def pidfile(self, part: str) -> Path:
         return self.root / "pids" / f"{part}.pid"
 
-    def pid(self, part: str) -> int | None:
-        try:
-            pid = int(self.pidfile(part).read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
-        return pid if pid_alive(pid) else None
+    @property
+    def env(self) -> dict[str, str]:
+        """Set on every process `up` starts: how `down` knows a member of a recorded group is ours."""
+        return {RUN_DIR_ENV: str(self.root)}
 
-    def record(self, part: str, pid: int) -> None:
+    @property
+    def marker(self) -> str:
+        return f"{RUN_DIR_ENV}={self.root}"
+
+    def _lines(self, part: str) -> list[list[int]]:
+        try:
+            return [[int(v) for v in line.split()] for line in self.pidfile(part).read_text().splitlines()]
+        except (OSError, ValueError):
+            return []
+
+    def recorded(self, part: str) -> int | None:
+        """The recorded leader pid (= process group and session id) of `part`, alive or not."""
+        lines = self._lines(part)
+        return lines[0][0] if lines and lines[0] else None
+
+    def known(self, part: str) -> dict[int, int]:
+        """pid -> start time of the members of `part` seen while its leader was alive."""
+        return {line[0]: line[1] for line in self._lines(part)[1:] if len(line) == 2}
+
+    def pid(self, part: str) -> int | None:
+        """The leader pid of `part` when that very leader (same pid, same start time) is alive."""
+        pid = self.recorded(part)
+        if pid is None or start_time(pid) is None or start_time(pid) != self.known(part).get(pid):
+            return None
+        return pid
+
+    def record(self, part: str, proc: Proc) -> None:
+        """Write the part's pid file: its leader, then pid and start time of each member seen so far
+        (vLLM's engine core wipes its environment, so the marker alone cannot find it later)."""
+        proc.remember_group()
+        known = {**self.known(part), **proc.known} if self.recorded(part) == proc.pid else proc.known
         self.pidfile(part).parent.mkdir(parents=True, exist_ok=True)
-        self.pidfile(part).write_text(f"{pid}\n")
+        self.pidfile(part).write_text("".join([f"{proc.pid}\n", *(f"{p} {t}\n" for p, t in sorted(known.items()))]))
+
+    def stop(self, part: str) -> list[int]:
+        """Stop every process of the part's group that is ours; forget the part once none is left."""
+        pgid = self.recorded(part)
+        if pgid is None:
+            return []
+        found = stop_group(pgid, self.marker, self.known(part), timeout_s=20)
+        if group_members(pgid, self.marker, self.known(part)):
+            raise SystemExit(f"{part}: processes of group {pgid} survived SIGKILL; pid file {self.pidfile(part)} kept")
+        self.forget(part)
+        return found
 
     def forget(self, part: str) -> None:
         self.pidfile(part).unlink(missing_ok=True)
@@ -70,7 +125,7 @@ def healthy(part: str, ports: StackPorts) -> bool:
     return grpc_serving(ports.addr(part))
 
 
-def start_redis(run: RunDir, ports: StackPorts) -> int:
+def start_redis(run: RunDir, ports: StackPorts) -> Proc:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server is missing: `apt-get install redis-server` (make up does this as root)")
@@ -79,29 +134,31 @@ def start_redis(run: RunDir, ports: StackPorts) -> int:
     # appendfsync always: a registration is acknowledged only once it is on disk.
     proc = spawn("redis", [exe, "--port", str(ports.redis), "--bind", "127.0.0.1", "--dir", str(data),
                            "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"],
-                 {}, run.logs / "redis.log")
+                 run.env, run.logs / "redis.log")
+    run.record("redis", proc)
     deadline = time.monotonic() + 10
     while not _port_busy(ports.redis):
         if not proc.alive() or time.monotonic() > deadline:
             raise SystemExit(f"redis did not start:\n{proc.log_tail()}")
         time.sleep(0.02)
-    return proc.pid
+    return proc
 
 
-def start_vllm(run: RunDir, ports: StackPorts, vllm_venv: Path, model_dir: Path) -> int:
+def start_vllm(run: RunDir, ports: StackPorts, vllm_venv: Path, model_dir: Path) -> Proc:
     from examlops.engine import find_model, render_vllm_command
 
     spec = find_model("smol")
     cmd = render_vllm_command(spec.engine, model=str(model_dir), host="127.0.0.1", port=ports.vllm)
     argv = [str(vllm_venv / "bin" / "vllm"), *cmd.argv[1:]]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           **cmd.env}
+           **cmd.env, **run.env}
     (run.logs / "vllm.log").unlink(missing_ok=True)
     proc = spawn("vllm", argv, env, run.logs / "vllm.log")
     say(f"vLLM starting (pid {proc.pid}): {' '.join(cmd.argv)}")
     started = time.monotonic()
     last = ""
     while not http_ok(f"http://127.0.0.1:{ports.vllm}/health"):
+        run.record("vllm", proc)  # its engine core and workers as they appear, for `down` after a crash
         if not proc.alive():
             raise SystemExit(f"vLLM exited with {proc.popen.returncode}; last log lines:\n{proc.log_tail(40)}")
         line = _progress_line(proc.log_tail(5))
@@ -111,8 +168,9 @@ def start_vllm(run: RunDir, ports: StackPorts, vllm_venv: Path, model_dir: Path)
         if time.monotonic() - started > 900:
             raise SystemExit(f"vLLM not healthy after 900 s; see {run.logs / 'vllm.log'}")
         time.sleep(1)
+    run.record("vllm", proc)
     say(f"vLLM healthy after {time.monotonic() - started:.0f} s")
-    return proc.pid
+    return proc
 
 
 def _progress_line(tail: str) -> str:
@@ -122,8 +180,28 @@ def _progress_line(tail: str) -> str:
     return ""
 
 
+def reap_leftovers(run: RunDir, ports: StackPorts) -> None:
+    """Stop what a previous run left behind: groups whose leader died (members live on, e.g. vLLM's
+    engine core holding the KV cache after its API server was killed) and leaders that stopped
+    answering. A healthy part is kept."""
+    for part in PARTS:
+        pgid = run.recorded(part)
+        if pgid is None:
+            continue
+        leader = run.pid(part) is not None
+        if leader and healthy(part, ports):
+            continue
+        found = run.stop(part)
+        if found and not leader:
+            say(f"{part}: stopped {len(found)} leftover process(es) of a previous run whose leader {pgid} had died "
+                f"(pids {' '.join(map(str, found))})")
+        elif found:
+            say(f"{part}: stopped the unhealthy previous run (pid {pgid})")
+
+
 def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, model_dir: Path | None) -> None:
     started = time.monotonic()
+    reap_leftovers(run, ports)
     for part in ["redis", *SERVICES]:
         pid = run.pid(part)
         if pid is not None and healthy(part, ports):
@@ -131,17 +209,22 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
             continue
         if pid is None and healthy(part, ports):
             raise SystemExit(f"{part}: its port is taken by a process `make up` did not start; stop it first")
-        if part == "redis":
-            pid = start_redis(run, ports)
-        else:
-            proc = spawn(part, service_argv(part), service_env(part, ports), run.logs / f"{part}.log")
-            if part == "gateway":
-                wait_http(ports.gateway_url + "/healthz", 60, proc)
+        try:
+            if part == "redis":
+                proc = start_redis(run, ports)
             else:
-                wait_grpc(ports.addr(part), 60, proc)
-            pid = proc.pid
-        run.record(part, pid)
-        say(f"{part}: started (pid {pid})")
+                proc = spawn(part, service_argv(part), {**service_env(part, ports), **run.env},
+                             run.logs / f"{part}.log")
+                run.record(part, proc)
+                if part == "gateway":
+                    wait_http(ports.gateway_url + "/healthz", 60, proc)
+                else:
+                    wait_grpc(ports.addr(part), 60, proc)
+        except BaseException:
+            run.stop(part)
+            raise
+        run.record(part, proc)
+        say(f"{part}: started (pid {proc.pid})")
     if engine == "vllm":
         if vllm_venv is None or model_dir is None:
             raise SystemExit("engine vllm needs --vllm-venv and --model-dir (make up passes them)")
@@ -151,7 +234,11 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
         else:
             if pid is None and healthy("vllm", ports):
                 raise SystemExit(f"port {ports.vllm} is taken by a process `make up` did not start; stop it first")
-            run.record("vllm", start_vllm(run, ports, vllm_venv, model_dir))
+            try:
+                start_vllm(run, ports, vllm_venv, model_dir)
+            except BaseException:
+                run.stop("vllm")  # an API server that died leaves its engine core behind
+                raise
     model = _register(ports, engine)
     answer, took = _first_answer(ports, model)
     say(f"stack up in {time.monotonic() - started:.0f} s; {model} answered through the gateway in {took:.2f} s: "
@@ -227,13 +314,15 @@ Logs: {Path('.run/logs').resolve()}/   status: make status   stop: make down
 
 def down(run: RunDir) -> None:
     for part in reversed(PARTS):
-        pid = run.pid(part)
-        if pid is None:
-            run.forget(part)
-            continue
-        stop_pid(pid, timeout_s=20)
-        run.forget(part)
-        say(f"{part}: stopped (pid {pid})")
+        pgid, leader = run.recorded(part), run.pid(part) is not None
+        found = run.stop(part)
+        if found and leader:
+            say(f"{part}: stopped (pid {pgid}, {len(found)} process(es))")
+        elif found:
+            say(f"{part}: stopped {len(found)} leftover process(es) whose leader {pgid} had died "
+                f"(pids {' '.join(map(str, found))})")
+        elif leader:
+            say(f"{part}: pid {pgid} is alive but not marked {run.marker}: not ours, left alone")
 
 
 def status(run: RunDir, ports: StackPorts, as_json: bool) -> int:

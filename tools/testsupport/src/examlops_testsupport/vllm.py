@@ -36,10 +36,13 @@ def start_vllm(workdir: Path, port: int, block: Any, log_name: str = "vllm.log")
     proc = spawn("vllm", argv, env, workdir / log_name)
     deadline = time.monotonic() + 600
     while not http_ok(f"http://127.0.0.1:{port}/health"):
+        proc.remember_group()  # its engine core wipes its environment: stop() finds it by this list
         if not proc.alive():
+            proc.stop()  # its engine core may outlive it
             raise RuntimeError(f"vLLM exited ({proc.popen.returncode}):\n{proc.log_tail(40)}")
         if time.monotonic() > deadline:
             proc.stop()
             raise TimeoutError(f"vLLM not healthy in 600 s:\n{proc.log_tail(40)}")
         time.sleep(1)
+    proc.remember_group()
     return proc
