@@ -78,7 +78,7 @@ class Tree:
 @pytest.fixture
 def tree(tmp_path: Path) -> Iterator[Tree]:
     """A process tree started and recorded the way `up` starts a part, as the run's vllm."""
-    run = RunDir((tmp_path / "run").resolve())
+    run = RunDir((tmp_path / ".run").resolve())
     go = tmp_path / "go"
     proc = spawn("vllm", [sys.executable, "-c", TREE, str(go)], run.env, run.logs / "vllm.log")
     ours = _wait_group(proc.pid, 3)
@@ -130,6 +130,34 @@ def _devstack(run_dir: Path, offset: int, *args: str) -> subprocess.CompletedPro
                            "--port-offset", str(offset), *args], capture_output=True, text=True, timeout=180)
 
 
+def _exa_dev_env(cwd: Path, **env: str) -> dict[str, str]:
+    """`exa dev env` run from `cwd` with no EXAMLOPS_* variable but `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EXAMLOPS_")}
+    out = subprocess.run([str(Path(sys.executable).parent / "exa"), "dev", "env"], cwd=cwd, env={**clean, **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
+
+
+def _addresses(ports: StackPorts) -> dict[str, str]:
+    return {"EXAMLOPS_GATEWAY_URL": ports.gateway_url, "OPENAI_BASE_URL": ports.gateway_url + "/v1",
+            **{f"EXAMLOPS_{name.upper().replace('-', '_')}_ADDR": ports.addr(name)
+               for name in ("registry", "launcher", "engine-proxy", "mediaguard")}}
+
+
+def test_exa_dev_env_prints_the_ports_of_the_stack_the_offset_selects(tmp_path: Path) -> None:
+    assert _exa_dev_env(tmp_path).items() >= _addresses(StackPorts()).items()
+    shifted = StackPorts.with_offset(100)
+    assert _exa_dev_env(tmp_path, EXAMLOPS_DEV_PORT_OFFSET="100").items() >= _addresses(shifted).items()
+    explicit = _exa_dev_env(tmp_path, EXAMLOPS_DEV_PORT_OFFSET="100", EXAMLOPS_GATEWAY_URL="http://gw:1")
+    assert explicit["EXAMLOPS_GATEWAY_URL"] == "http://gw:1"
+    assert explicit["EXAMLOPS_REGISTRY_ADDR"] == shifted.addr("registry")
+    # A stack that `make up` runs from this checkout under an offset, seen from a sub-folder.
+    RunDir((tmp_path / ".run").resolve()).record_port_offset(42)
+    (tmp_path / "sub").mkdir()
+    assert _exa_dev_env(tmp_path / "sub").items() >= _addresses(StackPorts.with_offset(42)).items()
+
+
 def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> None:
     offset = next(o for o in range(3000, 3300, 7) if _free(StackPorts.with_offset(o)))
     run = tree.run.root
@@ -141,6 +169,12 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> 
         assert _group(tree.proc.pid) == [tree.stranger]
         assert "answered through the gateway" in first.stderr and "echo: What is the capital" in first.stderr
         assert "OpenAI(base_url=" in first.stdout
+        # exa, from the checkout and with no variable set, finds this stack on its shifted ports.
+        assert _exa_dev_env(run.parent).items() >= _addresses(StackPorts.with_offset(offset)).items()
+        listed = subprocess.run([str(Path(sys.executable).parent / "exa"), "--json", "serve", "llm", "list"],
+                                cwd=run.parent, capture_output=True, text=True, timeout=60,
+                                env={k: v for k, v in os.environ.items() if not k.startswith("EXAMLOPS_")})
+        assert listed.returncode == 0 and "echo" in listed.stdout, listed.stderr
         status = json.loads(_devstack(run, offset, "status", "--json").stdout)
         up = {r["part"]: r for r in status}
         assert all(up[p]["healthy"] for p in up if p != "vllm") and not up["vllm"]["healthy"]
@@ -157,4 +191,5 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> 
     assert down.stderr.count("stopped") == 6
     assert _devstack(run, offset, "status").returncode == 1
     assert not list((run / "pids").glob("*.pid"))
+    assert not (run / "port-offset").exists()
     assert (run / "logs" / "gateway.log").exists()

@@ -14,8 +14,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m examlops_devstack",
                                      description="Run the ExaMLOps stack as local background processes.")
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="State, pid files and logs.")
-    parser.add_argument("--port-offset", type=int, default=int(os.environ.get("EXAMLOPS_DEV_PORT_OFFSET", "0")),
-                        help="Shift every port (Redis 6379, gRPC 50051-50054, gateway 8080, vLLM 8000) by N.")
+    parser.add_argument("--port-offset", type=int, default=None,
+                        help="Shift every port (Redis 6379, gRPC 50051-50054, gateway 8080, vLLM 8000) by N "
+                             "(default: EXAMLOPS_DEV_PORT_OFFSET, else the offset of the stack running from --run-dir, "
+                             "else 0).")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="Start what is down, register the default model, check an answer.")
     p_up.add_argument("--engine", choices=["vllm", "echo"], default="vllm")
@@ -25,8 +27,14 @@ def main() -> int:
     p_st = sub.add_parser("status", help="Each part: pid, health, address.")
     p_st.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    run, ports = RunDir(args.run_dir.resolve()), StackPorts.with_offset(args.port_offset)
+    run = RunDir(args.run_dir.resolve())
+    offset = args.port_offset
+    if offset is None:
+        env = os.environ.get("EXAMLOPS_DEV_PORT_OFFSET", "")
+        offset = int(env) if env else run.port_offset()
+    ports = StackPorts.with_offset(offset)
     if args.cmd == "up":
+        run.record_port_offset(offset)  # `exa` and later `down`/`status` find this stack by it
         up(run, ports, args.engine, args.vllm_venv, args.model_dir)
     elif args.cmd == "down":
         down(run)

@@ -109,6 +109,18 @@ class RunDir:
     def forget(self, part: str) -> None:
         self.pidfile(part).unlink(missing_ok=True)
 
+    def port_offset(self) -> int:
+        """The port offset of the stack this run dir holds (0 when none): the CLI reads the same file
+        (examlops_cli._config.PORT_OFFSET_FILE) to find the running stack."""
+        try:
+            return int((self.root / "port-offset").read_text().strip())
+        except (OSError, ValueError):
+            return 0
+
+    def record_port_offset(self, offset: int) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "port-offset").write_text(f"{offset}\n")
+
 
 def _port_busy(port: int) -> bool:
     with socket.socket() as s:
@@ -323,6 +335,7 @@ def down(run: RunDir) -> None:
                 f"(pids {' '.join(map(str, found))})")
         elif leader:
             say(f"{part}: pid {pgid} is alive but not marked {run.marker}: not ours, left alone")
+    (run.root / "port-offset").unlink(missing_ok=True)
 
 
 def status(run: RunDir, ports: StackPorts, as_json: bool) -> int:
