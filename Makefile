@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export EXAMLOPS_USECASE_DIR ?= $(CURDIR)/usecases
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps vllm-env clean
+.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps test-deps vllm-env clean
 
 help: ## Show the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -25,12 +25,19 @@ $(STAMP): $(foreach p,$(PACKAGES),$(p)/pyproject.toml) requirements-dev.txt
 
 venv: $(STAMP) ## Create the virtual environment of the services, CLI and tests
 
-system-deps: ## Install Redis, and Slurm + sshd for the launcher tests (Debian packages), when missing
-	@command -v redis-server >/dev/null || { \
-	  echo "==> Installing redis-server (Debian package)"; \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
-	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; fi; }
-	@bash scripts/slurm-local.sh install && bash scripts/sshd-local.sh install
+# Debian packages, installed when missing: the terminal gets one `==>` line per install, apt's whole
+# output goes to DEPS_LOG, and its end is shown when an install fails.
+DEPS_LOG ?= .run/logs/system-deps.log
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+quietly = { mkdir -p $(dir $(DEPS_LOG)) && { $(1); } 2>&1 | tee -a $(DEPS_LOG) | { grep --line-buffered '^==>' || true; } \
+  || { echo "==> Failed; the end of $(DEPS_LOG):" >&2; tail -n 40 $(DEPS_LOG) >&2; exit 1; }; }
+
+system-deps: ## Install Redis (Debian package), when missing: all the local stack needs
+	@command -v redis-server >/dev/null || $(call quietly,echo "==> Installing redis-server (Debian package; log: $(DEPS_LOG))"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+
+test-deps: system-deps ## Install Slurm, munge and an SSH server for the launcher tests (Debian packages), when missing
+	@$(call quietly,bash scripts/slurm-local.sh install && bash scripts/sshd-local.sh install)
 
 vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 model folder
 	@bash scripts/vllm-env.sh >/dev/null
@@ -53,11 +60,11 @@ status: ## Show each part of the local stack
 logs: ## Follow the logs of the local stack
 	@tail -n 20 -F .run/logs/*.log
 
-test: venv system-deps vllm-env ## Run every test tier (installs what it needs; starts its own servers)
+test: venv test-deps vllm-env ## Run every test tier (installs what it needs; starts its own servers)
 	@eval "$$(bash scripts/vllm-env.sh)" && export EXAMLOPS_VLLM_VENV="$$VLLM_VENV" EXAMLOPS_SMOL_MODEL_DIR="$$SMOL_MODEL_DIR" && \
 	  $(PY) scripts/gen-protos.py --check && $(PY) -m pytest -q
 
-test-fast: venv system-deps ## Tests without the real-vLLM tier
+test-fast: venv test-deps ## Tests without the real-vLLM tier
 	@$(PY) -m pytest -q -m "not vllm"
 
 lint: venv ## ruff and mypy --strict

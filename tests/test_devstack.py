@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import pytest
 
 from examlops_devstack import Proc, StackPorts, spawn
 from examlops_devstack._up import RunDir, down
+from examlops_testsupport import REPO_ROOT
 
 # A leader with three children, as `vllm serve` has its engine core and workers: one inherits the
 # environment (marked as ours), one execs with an empty one (ours but unmarked, as vLLM's EngineCore
@@ -193,3 +196,50 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> 
     assert not list((run / "pids").glob("*.pid"))
     assert not (run / "port-offset").exists()
     assert (run / "logs" / "gateway.log").exists()
+
+
+def _make(*args: str, path: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    make = shutil.which("make")
+    assert make is not None
+    full_env = {**os.environ, **env, **({"PATH": path} if path else {})}
+    return subprocess.run([make, "--no-print-directory", "-C", str(REPO_ROOT), *args], capture_output=True,
+                          text=True, timeout=120, env=full_env)
+
+
+def test_make_up_installs_only_redis_and_make_test_the_launcher_test_daemons() -> None:
+    for target in (["up"], ["up", "ENGINE=echo"]):
+        plan = _make("-n", *target).stdout
+        assert "redis-server" in plan
+        assert not re.search(r"slurm|munge|sshd|openssh", plan), plan
+    for target in ("test", "test-fast"):
+        plan = _make("-n", target).stdout
+        assert "scripts/slurm-local.sh install" in plan and "scripts/sshd-local.sh install" in plan
+
+
+def test_system_deps_show_one_line_per_install_and_the_log_on_failure(tmp_path: Path) -> None:
+    """apt-get (a stand-in printing as much as the real one) and no redis-server on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("mkdir", "tee", "grep", "tail", "env", "id", "hostname", "dirname"):
+        found = shutil.which(tool)
+        assert found is not None
+        (bin_dir / tool).symlink_to(found)
+    (bin_dir / "sudo").write_text('#!/bin/bash\nexec "$@"\n')
+    (bin_dir / "apt-get").write_text(
+        "#!/bin/bash\nfor ((i = 0; i < 200; i++)); do echo \"Get:$i http://deb.debian.org/debian noise $i\"; done\n"
+        "echo 'debconf: unable to initialize frontend' >&2\n"
+        "if [ \"$1\" = install ] && [ -n \"${FAIL_APT:-}\" ]; then\n"
+        "  echo 'E: Unable to locate package' >&2; exit 100\nfi\n")
+    for script in ("sudo", "apt-get"):
+        (bin_dir / script).chmod(0o755)
+    log = tmp_path / "logs" / "deps.log"
+
+    ok = _make("system-deps", f"DEPS_LOG={log}", path=str(bin_dir))
+    assert ok.returncode == 0, ok.stderr
+    shown = (ok.stdout + ok.stderr).strip().splitlines()
+    assert len(shown) == 1 and shown[0].startswith("==> Installing redis-server"), shown
+    assert "noise 199" in log.read_text() and "debconf" in log.read_text()
+
+    failed = _make("system-deps", f"DEPS_LOG={log}", path=str(bin_dir), FAIL_APT="1")
+    assert failed.returncode != 0
+    assert "E: Unable to locate package" in failed.stderr and "noise" in failed.stderr
