@@ -194,3 +194,22 @@ def test_healthz_and_metrics(stack: Stack, client: openai.OpenAI) -> None:
     assert httpx.get(stack.gateway_url + "/healthz").json()["status"] == "ok"
     metrics = httpx.get(stack.gateway_url + "/metrics").text
     assert 'examlops_gateway_requests_total{model="echo-a",status="200"}' in metrics
+
+
+def test_openapi_describes_the_openai_routes_and_their_error_shape(stack: Stack) -> None:
+    doc = httpx.get(stack.gateway_url + "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    detail = schemas[schemas["ErrorResponse"]["properties"]["error"]["$ref"].rsplit("/", 1)[-1]]
+    assert set(detail["properties"]) == {"message", "type", "code", "param"}
+    expected = {("post", "/v1/chat/completions"): {400, 401, 403, 404, 413, 429, 502, 503},
+                ("post", "/v1/completions"): {400, 401, 403, 404, 413, 429, 502, 503},
+                ("get", "/v1/models"): {401, 503}}
+    for (method, path), statuses in expected.items():
+        op = doc["paths"][path][method]
+        errors = {int(s) for s in op["responses"] if int(s) >= 400}
+        assert errors == statuses, (path, errors)
+        for status in statuses:
+            schema = op["responses"][str(status)]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (path, status)
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "messages" in schemas[body["$ref"].rsplit("/", 1)[-1]]["properties"]

@@ -190,6 +190,38 @@ def test_expired_key_is_401(gov: Stack) -> None:
     wait_until(expired, 10, 0.2)
 
 
+def test_models_and_generation_agree_on_expiry_by_redis_clock(gov: Stack) -> None:
+    """/v1/models and a generation judge a key by one check on Redis' clock: a key whose expiry is
+    set relative to Redis TIME is valid for both before it, and expired for both from it on."""
+    row = issue(gov, "--model", "gov-a")
+    key, record = row["virtual_key"], "{vk:" + row["id"] + "}:key"
+    c = client(gov, key)
+    r = redis.Redis(port=gov.ports.redis, decode_responses=True)
+
+    def redis_now_ms() -> int:
+        secs, micros = r.time()  # type: ignore[misc]
+        return int(secs) * 1000 + int(micros) // 1000
+
+    def both_refuse() -> None:
+        listed = httpx.get(gov.gateway_url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert listed.status_code == 401 and listed.json()["error"]["code"] == "key_expired", listed.text
+        with pytest.raises(openai.AuthenticationError) as refused:
+            chat(c, "gov-a", "x")
+        assert error_code(refused.value) == "key_expired"
+
+    try:
+        expires = redis_now_ms() + 3000
+        r.hset(record, "expires_ms", expires)
+        assert _models(gov, key) == {"gov-a"}
+        assert chat(c, "gov-a", "before").choices[0].message.content == "echo: before"
+        wait_until(lambda: redis_now_ms() >= expires, 10, 0.05)
+        both_refuse()
+        r.hset(record, "expires_ms", redis_now_ms())  # the expiry instant itself counts as expired
+        both_refuse()
+    finally:
+        r.close()
+
+
 def test_rate_limit_is_429_with_retry_after(gov: Stack) -> None:
     row = issue(gov, "--model", "gov-a", "--rpm", "2")
     c = client(gov, row["virtual_key"])
