@@ -101,9 +101,10 @@ class RunDir:
         if pgid is None:
             return []
         found = stop_group(pgid, self.marker, self.known(part), timeout_s=20)
-        if group_members(pgid, self.marker, self.known(part)):
-            raise SystemExit(f"{part}: processes of group {pgid} survived SIGKILL; pid file {self.pidfile(part)} kept")
-        self.forget(part)
+        if left := group_members(pgid, self.marker, self.known(part)):
+            say(f"{RED}{part}: pids {' '.join(map(str, left))} survived SIGKILL; {self.pidfile(part)} kept{RESET}")
+        else:
+            self.forget(part)
         return found
 
     def forget(self, part: str) -> None:

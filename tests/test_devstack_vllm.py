@@ -1,0 +1,104 @@
+"""`make up` with the real CPU vLLM, the README's first command, on shifted ports and a temporary run dir.
+
+One vLLM start: up answers through the gateway, the openai client chats with SmolLM2, then the API
+server is SIGKILLed as the OOM killer would and `down` must still stop its engine core.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from examlops.engine import require_vllm_python
+from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_devstack import StackPorts, group_members
+from examlops_devstack._up import PARTS, RunDir
+from examlops_testsupport import REPO_ROOT
+from examlops_testsupport.vllm import smol_model_dir
+
+pytestmark = pytest.mark.vllm
+
+
+def _free(ports: StackPorts) -> bool:
+    for port in [ports.redis, ports.vllm, *ports.services.values()]:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return False
+    return True
+
+
+def _devstack(run: RunDir, offset: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "EXAMLOPS_DEV_PORT_OFFSET": str(offset), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "EXAMLOPS_USECASE_DIR": str(REPO_ROOT / "usecases")}
+    return subprocess.run([sys.executable, "-m", "examlops_devstack", "--run-dir", str(run.root), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _in_group(pid: int, pgids: set[int]) -> bool:
+    """Alive and in one of `pgids` as its process group or session, ours or not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, _ppid, pgrp, session = f.read().rsplit(") ", 1)[1].split()[:4]
+    except OSError:
+        return False
+    return state not in ("Z", "X") and bool({int(pgrp), int(session)} & pgids)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(900)
+def test_make_up_serves_smollm2_and_down_stops_its_engine_core_after_an_api_server_kill(tmp_path: Path) -> None:
+    venv, model_dir = require_vllm_python().parent.parent, smol_model_dir()
+    offset = next(o for o in range(4000, 4300, 11) if _free(StackPorts.with_offset(o)))
+    ports, run = StackPorts.with_offset(offset), RunDir((tmp_path / "run").resolve())
+    try:
+        up = _devstack(run, offset, "up", "--engine", "vllm", "--vllm-venv", str(venv), "--model-dir", str(model_dir),
+                       timeout=800)
+        assert up.returncode == 0, up.stderr[-4000:]
+        first = re.search(r"smol answered through the gateway in [\d.]+ s: (.+)", up.stderr)
+        assert first is not None and not first.group(1).startswith(("'echo", '"echo')), up.stderr[-2000:]
+        assert f"OpenAI(base_url=\"{ports.gateway_url}/v1\"" in up.stdout
+
+        client = openai.OpenAI(base_url=ports.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
+        reply = client.chat.completions.create(model="smol", max_tokens=16,
+                                               messages=[{"role": "user", "content": "Say hello."}])
+        assert (reply.choices[0].message.content or "").strip()
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+        pgids = {p: run.recorded(p) for p in PARTS}
+        api_server = pgids["vllm"]
+        assert api_server is not None
+        vllm = group_members(api_server, run.marker, run.known("vllm"))
+        engine_core = [p for p in vllm if "EngineCore" in _cmdline(p)]
+        assert api_server in vllm and engine_core, {p: _cmdline(p) for p in vllm}
+
+        os.kill(api_server, signal.SIGKILL)  # as the OOM killer would
+        deadline = time.monotonic() + 10
+        while _in_group(api_server, {api_server}):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert all(_in_group(p, {api_server}) for p in engine_core), "the engine core outlives its API server"
+    finally:
+        down = _devstack(run, offset, "down")
+    assert down.returncode == 0, down.stderr
+    assert re.search(r"vllm: stopped \d+ leftover process\(es\) whose leader", down.stderr), down.stderr
+    assert down.stderr.count("stopped") == len(PARTS)
+    groups = {g for g in pgids.values() if g is not None}
+    assert len(groups) == len(PARTS)
+    assert [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _in_group(p, groups)] == []
+    assert not list((run.root / "pids").glob("*.pid"))
