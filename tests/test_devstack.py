@@ -211,8 +211,8 @@ def test_make_up_installs_only_redis_and_make_test_the_launcher_test_daemons() -
         plan = _make("-n", *target).stdout
         assert "redis-server" in plan
         assert not re.search(r"slurm|munge|sshd|openssh", plan), plan
-    for target in ("test", "test-fast"):
-        plan = _make("-n", target).stdout
+    for tests in ("test", "test-fast"):
+        plan = _make("-n", tests).stdout
         assert "scripts/slurm-local.sh install" in plan and "scripts/sshd-local.sh install" in plan
 
 
