@@ -38,7 +38,7 @@ def test_grpc_services_serve_health(stack: Stack, name: str) -> None:
 
 
 def test_launcher_refuses_an_unknown_launcher_with_a_reason(stack: Stack) -> None:
-    with grpc.insecure_channel(stack.ports.addr("launcher")) as ch, pytest.raises(grpc.RpcError) as info:
+    with stack.channel("launcher") as ch, pytest.raises(grpc.RpcError) as info:
         la_grpc.LauncherStub(ch).Start(la.StartRequest(name="x", launcher="nomad"), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
     assert error_reason(info.value) == ("unknown_launcher", "launcher")  # type: ignore[arg-type]

@@ -10,8 +10,10 @@ import grpc
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.launcher.v1 import launcher_pb2_grpc as la_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
+from examlops.svc import blocking_channel
 
 from ._output import Ctx, fail
+from ._token import operator_token
 
 T = TypeVar("T")
 
@@ -27,7 +29,7 @@ def stub(service: str) -> Any:
     attr, factory = _SERVICES[service]
     addr = getattr(Ctx.settings(), attr)
     if addr not in _channels:
-        _channels[addr] = grpc.insecure_channel(addr)
+        _channels[addr] = blocking_channel(addr, operator_token())
     return factory(_channels[addr])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from ._output import Ctx, emit_json
+from ._token import operator_token
 
 app = typer.Typer(help="Local development helpers.", no_args_is_help=True)
 
@@ -22,6 +23,7 @@ def env() -> None:
         "EXAMLOPS_LAUNCHER_ADDR": s.launcher_addr,
         "EXAMLOPS_ENGINE_PROXY_ADDR": s.engine_proxy_addr,
         "EXAMLOPS_MEDIAGUARD_ADDR": s.mediaguard_addr,
+        "EXAMLOPS_OPERATOR_TOKEN": operator_token(),  # what the gRPC services authenticate exa and other tools by
     }
     if Ctx.json:
         emit_json(values)

@@ -10,12 +10,15 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import (
+    OPERATORS,
+    Access,
     RouteTable,
     build_grpc_server,
     configure_logging,
     insecure_channel,
     load_settings,
     serve_until_signal,
+    server_auth,
     watch_routes,
 )
 
@@ -24,6 +27,8 @@ from ._service import EngineProxyServicer
 from ._settings import EngineProxySettings
 
 SERVICE = "examlops.engine_proxy.v1.EngineProxy"
+#: The gateway's traffic, and operators' direct line (exa serve llm chat).
+ACCESS = Access({OPERATORS: None, "gateway": None})
 
 
 async def run(settings: EngineProxySettings) -> None:
@@ -34,13 +39,15 @@ async def run(settings: EngineProxySettings) -> None:
         if deleted:
             pool.forget(ep.name)
 
-    mg_channel = insecure_channel(settings.mediaguard_addr)
+    token = settings.service_token.get_secret_value()
+    mg_channel = insecure_channel(settings.mediaguard_addr, token)
     servicer = EngineProxyServicer(settings, table, pool, mg_grpc.MediaGuardStub(mg_channel))
     server, port, health = build_grpc_server(
-        settings.host, settings.port, lambda s: pb_grpc.add_EngineProxyServicer_to_server(servicer, s), [SERVICE])
+        settings.host, settings.port, lambda s: pb_grpc.add_EngineProxyServicer_to_server(servicer, s), [SERVICE],
+        server_auth(settings, "engine-proxy", ACCESS))
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
-    watcher = asyncio.create_task(watch_routes(settings.registry_addr, table, on_change))
+    watcher = asyncio.create_task(watch_routes(settings.registry_addr, table, on_change, token=token))
 
     async def stop() -> None:
         watcher.cancel()

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from examlops.svc import DEFAULT_PORTS, ServiceSettings
+from examlops.svc import DEFAULT_PORTS, GrpcServiceSettings
 
 
-class EngineProxySettings(ServiceSettings):
+class EngineProxySettings(GrpcServiceSettings):
     """Engine-proxy settings (`EXAMLOPS_*`)."""
 
     port: int = Field(default=DEFAULT_PORTS["engine-proxy"], ge=0, le=65535,

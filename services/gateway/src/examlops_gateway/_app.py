@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
-from examlops.svc import RouteTable, configure_logging, insecure_channel, load_settings, watch_routes
+from examlops.svc import RouteTable, configure_logging, insecure_channel, load_settings, redact, watch_routes
 
 from ._settings import GatewaySettings
 from ._state import GatewayState
@@ -49,13 +49,15 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         try:
             await client.ping()
         except redis.RedisError as exc:
-            log.error("cannot reach Redis at EXAMLOPS_REDIS_URL=%s: %s", settings.redis_url, exc)
+            problem = redact(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}")
+            log.error("%s", problem)
             await client.aclose()
-            raise SystemExit(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}") from None
+            raise SystemExit(problem) from None
         replica_id = secrets.token_hex(6)
         routes = RouteTable.empty()
-        channel = insecure_channel(settings.engine_proxy_addr)
-        registry_channel = insecure_channel(settings.registry_addr)
+        token = settings.service_token.get_secret_value()  # what engine-proxy and the registry authenticate
+        channel = insecure_channel(settings.engine_proxy_addr, token)
+        registry_channel = insecure_channel(settings.registry_addr, token)
         registry = reg_grpc.RegistryStub(registry_channel)
         prices = PriceBook()
         reaper = Reaper(client, settings, replica_id)
@@ -65,7 +67,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             channel=channel, admin_key=settings.admin_key.get_secret_value().encode(),
             registry=registry, registry_channel=registry_channel, redis=client, prices=prices,
             governor=Governor(settings, client, prices, replica_id), replica_id=replica_id)
-        tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes)),
+        tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes, token=token)),
                  asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
                  asyncio.create_task(reaper.run())]
         try:

@@ -9,22 +9,34 @@ from prometheus_client import start_http_server
 
 from examlops.launcher.v1 import launcher_pb2_grpc as pb_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
-from examlops.svc import build_grpc_server, configure_logging, insecure_channel, load_settings, serve_until_signal
+from examlops.svc import (
+    OPERATORS,
+    Access,
+    build_grpc_server,
+    configure_logging,
+    insecure_channel,
+    load_settings,
+    serve_until_signal,
+    server_auth,
+)
 
 from ._adapters import build_adapters
 from ._service import LauncherServicer
 from ._settings import LauncherSettings
 
 SERVICE = "examlops.launcher.v1.Launcher"
+#: Only operators (exa, make up) start, probe and stop endpoints.
+ACCESS = Access({OPERATORS: None})
 
 
 async def run(settings: LauncherSettings) -> None:
-    channel = insecure_channel(settings.registry_addr)
+    channel = insecure_channel(settings.registry_addr, settings.service_token.get_secret_value())
     http = httpx.AsyncClient()
     adapters = build_adapters(settings)
     servicer = LauncherServicer(settings, reg_grpc.RegistryStub(channel), http, adapters)
     server, port, health = build_grpc_server(
-        settings.host, settings.port, lambda s: pb_grpc.add_LauncherServicer_to_server(servicer, s), [SERVICE])
+        settings.host, settings.port, lambda s: pb_grpc.add_LauncherServicer_to_server(servicer, s), [SERVICE],
+        server_auth(settings, "launcher", ACCESS))
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
 

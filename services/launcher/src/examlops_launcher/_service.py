@@ -18,7 +18,7 @@ from examlops.launcher.v1 import launcher_pb2 as pb
 from examlops.launcher.v1 import launcher_pb2_grpc as pb_grpc
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
-from examlops.svc import abort, error_reason, state_name
+from examlops.svc import abort, current_caller, error_reason, state_name
 
 from ._adapters import Adapter, HpcAdapter, LaunchError, LaunchSpec, Prepared, SubstrateView
 from ._probe import probe, read_metrics
@@ -32,6 +32,10 @@ T = TypeVar("T")
 
 
 class LauncherServicer(pb_grpc.LauncherServicer):
+    """What it asks of the registry names the authenticated operator as the actor it acts for
+    (the registry audits the launcher as the actor, the operator as on_behalf_of); a request's own
+    `actor` field is not evidence and is ignored."""
+
     def __init__(self, settings: LauncherSettings, registry: reg_grpc.RegistryStub, http: httpx.AsyncClient,
                  adapters: dict[str, Adapter]) -> None:
         self.settings = settings
@@ -153,14 +157,14 @@ class LauncherServicer(pb_grpc.LauncherServicer):
         try:
             submission = await adapter.start(spec, prepared)
         except LaunchError as exc:
-            await self._audit_failure(spec.name, spec.launcher, request.actor, exc)
+            await self._audit_failure(spec.name, spec.launcher, current_caller().name, exc)
             await self._refuse(context, exc)
         ep = reg.Endpoint(name=spec.name, base_url=submission.base_url, launcher=spec.launcher,
                           job_id=submission.job_id, project=spec.project, engine_block_json=spec.block_json,
                           state=submission.state, state_reason=submission.reason)  # type: ignore[arg-type]
         try:
             registered = await self.registry.RegisterEndpoint(
-                reg.RegisterEndpointRequest(endpoint=ep, actor=request.actor, replace=request.replace),
+                reg.RegisterEndpointRequest(endpoint=ep, actor=current_caller().name, replace=request.replace),
                 timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             # Never leave a job running that no record knows of.
@@ -173,11 +177,11 @@ class LauncherServicer(pb_grpc.LauncherServicer):
             await abort(context, exc.code(), reason or "registry_error", exc.details() or "", param)
         if submission.hpc_job is not None:
             try:
-                await self.registry.RecordHpcJob(reg.RecordHpcJobRequest(job=submission.hpc_job, actor=request.actor),
-                                                 timeout=RPC_TIMEOUT_S)
+                await self.registry.RecordHpcJob(
+                    reg.RecordHpcJobRequest(job=submission.hpc_job, actor=current_caller().name), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 log.warning("could not record HPC job %s: %s", submission.job_id, exc.details())
-        reconciled, _ready, _detail, _view = await self._reconcile(registered, request.actor, context)
+        reconciled, _ready, _detail, _view = await self._reconcile(registered, current_caller().name, context)
         return pb.StartResponse(endpoint=reconciled, plan=prepared.plan)
 
     # --- discovery and reconciliation ---
@@ -242,7 +246,7 @@ class LauncherServicer(pb_grpc.LauncherServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         ep = await self._get(request.name, context)
-        ep, ready, detail, _view = await self._reconcile(ep, request.actor, context)
+        ep, ready, detail, _view = await self._reconcile(ep, current_caller().name, context)
         return pb.HealthResponse(endpoint=ep, ready=ready, detail=detail)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
@@ -271,7 +275,7 @@ class LauncherServicer(pb_grpc.LauncherServicer):
         fields: dict[str, Any] = {"state": reg.ENDPOINT_STATE_STOPPED, "state_reason": done}
         if isinstance(adapter, HpcAdapter):
             fields["base_url"] = ""          # the job's address died with it
-        stopped = await self._update(context, ep.name, request.actor, "stop", **fields)
+        stopped = await self._update(context, ep.name, current_caller().name, "stop", **fields)
         if "cancelled" in done:
-            await self._record_job(ep, request.actor, "CANCELLED")
+            await self._record_job(ep, current_caller().name, "CANCELLED")
         return pb.StopResponse(endpoint=stopped, plan=plan)

@@ -4,10 +4,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from examlops.svc import DEFAULT_PORTS, ServiceSettings
+from examlops.svc import DEFAULT_PORTS, GrpcServiceSettings
 
 
-class LauncherSettings(ServiceSettings):
+class LauncherSettings(GrpcServiceSettings):
     """Launcher settings (`EXAMLOPS_*`).
 
     The launcher name of a start picks the scheduler (slurm → sbatch, flux → flux batch);

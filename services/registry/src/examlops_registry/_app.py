@@ -12,7 +12,16 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
-from examlops.svc import build_grpc_server, configure_logging, load_settings, serve_until_signal
+from examlops.svc import (
+    OPERATORS,
+    Access,
+    build_grpc_server,
+    configure_logging,
+    load_settings,
+    redact,
+    serve_until_signal,
+    server_auth,
+)
 
 from ._service import RegistryServicer
 from ._settings import RegistrySettings
@@ -20,6 +29,12 @@ from ._store import RegistryStore
 
 log = logging.getLogger(__name__)
 SERVICE = "examlops.registry.v1.Registry"
+#: Operators, the gateway (prices, audit, key attribution) and the launcher change records;
+#: engine-proxy only reads the route table.
+ACCESS = Access({
+    OPERATORS: None, "gateway": None, "launcher": None,
+    "engine-proxy": frozenset({"WatchEndpoints", "GetEndpoint", "ListEndpoints"}),
+})
 
 
 async def check_durability(client: redis.Redis, require_aof: bool) -> None:
@@ -44,7 +59,8 @@ def build_server(settings: RegistrySettings, client: redis.Redis) -> tuple[grpc.
     servicer = RegistryServicer(RegistryStore(client))
     return build_grpc_server(
         settings.host, settings.port,
-        lambda s: pb_grpc.add_RegistryServicer_to_server(servicer, s), [SERVICE])
+        lambda s: pb_grpc.add_RegistryServicer_to_server(servicer, s), [SERVICE],
+        server_auth(settings, "registry", ACCESS))
 
 
 async def run(settings: RegistrySettings) -> None:
@@ -56,7 +72,7 @@ async def run(settings: RegistrySettings) -> None:
     try:
         await client.ping()
     except redis.ConnectionError as exc:
-        raise SystemExit(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}") from None
+        raise SystemExit(redact(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}")) from None
     await check_durability(client, settings.require_aof)
     server, port, health = build_server(settings, client)
     if settings.metrics_port:

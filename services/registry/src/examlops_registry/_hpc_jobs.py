@@ -16,7 +16,7 @@ import redis.asyncio as redis
 from redis.exceptions import WatchError
 
 from examlops.registry.v1 import registry_pb2 as pb
-from examlops.svc import abort
+from examlops.svc import abort, current_caller
 
 from ._checks import refuse_first
 from ._store import AUDIT, RegistryStore, from_json, now_ms, to_json
@@ -48,9 +48,10 @@ class HpcJobStore:
                     after_json = to_json(after)
                     pipe.multi()
                     pipe.hset(HPC_JOBS, key, after_json)
+                    caller, on_behalf_of = current_caller().attribute(actor)
                     pipe.xadd(AUDIT, RegistryStore._audit_fields(
-                        actor, "hpc_job.record", f"hpc_job:{key}",
-                        to_json(before) if before is not None else "", after_json, t))
+                        caller, "hpc_job.record", f"hpc_job:{key}",
+                        to_json(before) if before is not None else "", after_json, t, on_behalf_of))
                     await pipe.execute()
                     return after
                 except WatchError:

@@ -19,7 +19,7 @@ import redis.asyncio as redis
 from google.protobuf import json_format
 
 from examlops.registry.v1 import registry_pb2 as pb
-from examlops.svc import abort
+from examlops.svc import abort, current_caller
 
 from ._checks import refuse_first
 from ._store import AUDIT, PROJECT_RESOURCES, RegistryStore, now_ms
@@ -36,7 +36,8 @@ def _json(msg: pb.Price | pb.ProjectResource) -> str:
 
 
 def _audit(actor: str, action: str, target: str, before: str, after: str, t: int) -> Any:
-    return cast(Any, RegistryStore._audit_fields(actor, action, target, before, after, t))
+    caller, on_behalf_of = current_caller().attribute(actor)
+    return cast(Any, RegistryStore._audit_fields(caller, action, target, before, after, t, on_behalf_of))
 
 
 class PriceStore:
@@ -46,7 +47,7 @@ class PriceStore:
     async def set(self, price: pb.Price, actor: str) -> pb.Price:
         out = pb.Price()
         out.CopyFrom(price)
-        out.updated_at_ms, out.updated_by = now_ms(), actor or "unknown"
+        out.updated_at_ms, out.updated_by = now_ms(), current_caller().name
         before = cast(str | None, await self.r.hget(PRICES, price.model))
         after = _json(out)
         async with self.r.pipeline(transaction=True) as pipe:

@@ -11,7 +11,7 @@ import grpc
 
 from examlops.registry.v1 import registry_pb2 as pb
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
-from examlops.svc import abort, state_name
+from examlops.svc import abort, current_caller, state_name
 
 from ._hpc_jobs import HpcJobServicerMixin, HpcJobStore
 from ._prices import PricesServicerMixin, PriceStore
@@ -23,6 +23,12 @@ ENGINES = ("vllm-server", "vllm-inproc", "sglang", "echo")
 ENGINE_ALIASES = {"vllm": "vllm-server"}
 LAUNCHERS = ("external", "compose", "slurm", "flux", "kserve")
 LIVE_STATES = (pb.ENDPOINT_STATE_STARTING, pb.ENDPOINT_STATE_READY)
+
+
+def audited(claimed: str, action: str) -> tuple[str, str, str]:
+    """(actor, action, on_behalf_of) of the current call: the credential's name, and what a service claims."""
+    actor, on_behalf_of = current_caller().attribute(claimed)
+    return actor, action, on_behalf_of
 
 
 class InvalidEndpoint(ValueError):
@@ -88,7 +94,7 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
             return ep
 
         try:
-            after = await self.store.mutate(ep.name, change, request.actor, "register")
+            after = await self.store.mutate(ep.name, change, *audited(request.actor, "register"))
         except Conflict as exc:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, "endpoint_exists", str(exc), "name")
         assert after is not None
@@ -132,7 +138,8 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
             return after
 
         try:
-            after = await self.store.mutate(request.name, change, request.actor, request.action or "update")
+            after = await self.store.mutate(request.name, change,
+                                            *audited(request.actor, request.action or "update"))
         except NotFound:
             await abort(context, grpc.StatusCode.NOT_FOUND, "endpoint_not_found",
                         f"no endpoint named {request.name!r}", "name")
@@ -142,7 +149,7 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
     async def RemoveEndpoint(self, request: pb.RemoveEndpointRequest, context: Ctx) -> pb.RemoveEndpointResponse:
         try:
             before = await self.store.get(request.name)
-            await self.store.mutate(request.name, lambda _b: None, request.actor, "remove")
+            await self.store.mutate(request.name, lambda _b: None, *audited(request.actor, "remove"))
         except NotFound:
             await abort(context, grpc.StatusCode.NOT_FOUND, "endpoint_not_found",
                         f"no endpoint named {request.name!r}", "name")
@@ -156,7 +163,10 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.Registr
         if not request.event.action or not request.event.target:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_audit_event",
                         "an audit event needs an action and a target", "event")
-        return await self.store.record_audit(request.event)
+        event = pb.AuditEvent()
+        event.CopyFrom(request.event)
+        event.actor, event.on_behalf_of = current_caller().attribute(request.event.actor)
+        return await self.store.record_audit(event)
 
     async def ListAuditEvents(self, request: pb.ListAuditEventsRequest, context: Ctx) -> pb.ListAuditEventsResponse:
         limit = request.limit if request.limit > 0 else 100

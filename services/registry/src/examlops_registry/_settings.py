@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from examlops.svc import DEFAULT_PORTS, ServiceSettings
+from examlops.svc import DEFAULT_PORTS, GrpcServiceSettings
 
 
-class RegistrySettings(ServiceSettings):
+class RegistrySettings(GrpcServiceSettings):
     """Registry settings (`EXAMLOPS_*`)."""
 
     port: int = Field(default=DEFAULT_PORTS["registry"], ge=0, le=65535,

@@ -3,7 +3,7 @@
 Keys share the `{exa:reg}` hash tag so every multi-key transaction runs on Redis Cluster too:
   {exa:reg}:endpoints  HASH   name -> Endpoint (protobuf JSON)
   {exa:reg}:changes    STREAM kind, name, endpoint   (watch feed; trimmed to about 10k entries)
-  {exa:reg}:audit      STREAM actor, action, target, before, after, time_ms  (append-only)
+  {exa:reg}:audit      STREAM actor, action, target, before, after, time_ms, on_behalf_of  (append-only)
   {exa:reg}:project_resources  HASH "serving_endpoint:<name>" -> ProjectResource (protobuf JSON)
 A mutation writes the record, its change event, its audit event and the endpoint's project
 attribution in one MULTI/EXEC guarded by WATCH, so none exists without the others.
@@ -73,7 +73,8 @@ class RegistryStore:
         raw = await self.r.hgetall(ENDPOINTS)
         return sorted((from_json(v, pb.Endpoint) for v in raw.values()), key=lambda e: e.name)
 
-    async def mutate(self, name: str, change: Mutation, actor: str, action: str) -> pb.Endpoint | None:
+    async def mutate(self, name: str, change: Mutation, actor: str, action: str,
+                     on_behalf_of: str = "") -> pb.Endpoint | None:
         """Apply `change(before) -> after` atomically (None deletes); returns `after`."""
         while True:
             async with self.r.pipeline(transaction=True) as pipe:
@@ -101,7 +102,7 @@ class RegistryStore:
                         pipe.xadd(CHANGES, {"kind": "put", "name": name, "endpoint": after_json},
                                   maxlen=CHANGES_MAXLEN, approximate=True)
                     pipe.xadd(AUDIT, self._audit_fields(actor, action, f"endpoint:{name}",
-                                                        before_json, after_json, t))
+                                                        before_json, after_json, t, on_behalf_of))
                     self._attribute(pipe, name, after)
                     await pipe.execute()
                     return after
@@ -121,14 +122,18 @@ class RegistryStore:
                                                                       preserving_proto_field_name=True))
 
     @staticmethod
-    def _audit_fields(actor: str, action: str, target: str, before: str, after: str, t: int) -> dict[str, str]:
-        return {"actor": actor or "unknown", "action": action, "target": target,
-                "before": before, "after": after, "time_ms": str(t)}
+    def _audit_fields(actor: str, action: str, target: str, before: str, after: str, t: int,
+                      on_behalf_of: str = "") -> dict[str, str]:
+        fields = {"actor": actor or "unknown", "action": action, "target": target,
+                  "before": before, "after": after, "time_ms": str(t)}
+        if on_behalf_of:
+            fields["on_behalf_of"] = on_behalf_of
+        return fields
 
     async def record_audit(self, ev: pb.AuditEvent) -> pb.AuditEvent:
         t = ev.time_ms or now_ms()
         event_id = await self.r.xadd(AUDIT, self._audit_fields(
-            ev.actor, ev.action, ev.target, ev.before_json, ev.after_json, t))
+            ev.actor, ev.action, ev.target, ev.before_json, ev.after_json, t, ev.on_behalf_of))
         out = pb.AuditEvent()
         out.CopyFrom(ev)
         out.id, out.time_ms = _s(event_id), t
@@ -149,7 +154,7 @@ class RegistryStore:
                 out.append(pb.AuditEvent(
                     id=_s(event_id), actor=fields["actor"], action=fields["action"],
                     target=fields["target"], before_json=fields["before"], after_json=fields["after"],
-                    time_ms=int(fields["time_ms"])))
+                    time_ms=int(fields["time_ms"]), on_behalf_of=fields.get("on_behalf_of", "")))
                 if len(out) == limit:
                     break
             end = "(" + _s(page[-1][0])

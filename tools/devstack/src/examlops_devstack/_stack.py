@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import secrets
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from examlops.svc import DEFAULT_PORTS
+from examlops.svc import (
+    DEFAULT_PORTS,
+    OPERATOR_PREFIX,
+    OPERATOR_TOKEN_VAR,
+    SERVICE_TOKEN_VAR,
+    TOKENS_FILE_VAR,
+    parse_tokens,
+)
 
 #: name -> python module; started in this order (dependencies first).
 SERVICES: dict[str, str] = {
@@ -41,7 +52,55 @@ class StackPorts:
         return f"http://127.0.0.1:{self.services['gateway']}"
 
 
-def service_env(name: str, ports: StackPorts, extra: dict[str, str] | None = None) -> dict[str, str]:
+#: Services that call other services, each with its own token (the others only answer).
+CALLING_SERVICES = ("gateway", "launcher", "engine-proxy")
+#: In a run directory: the name=token list every server accepts, and the operator's own token.
+TOKENS_FILE = "internal-tokens"
+OPERATOR_TOKEN_FILE = "operator-token"
+
+
+@dataclass(frozen=True)
+class StackTokens:
+    """The credentials of one local stack: one per calling service, one for the operator (exa)."""
+
+    path: Path                 # the accepted list, EXAMLOPS_INTERNAL_TOKENS_FILE of every server
+    tokens: dict[str, str]     # name -> token
+    operator: str              # the operator's name, cli:<user>
+
+    @property
+    def operator_token(self) -> str:
+        return self.tokens[self.operator]
+
+
+def stack_tokens(run_dir: Path, operator: str | None = None) -> StackTokens:
+    """The stack's tokens, generated on first use into `run_dir` (mode 0600) and reused after.
+
+    `make up` and the tests' stacks call it; the CLI finds the operator's token in the same place.
+    """
+    operator = operator or OPERATOR_PREFIX + (os.environ.get("USER") or getpass.getuser())
+    path = run_dir / TOKENS_FILE
+    tokens = parse_tokens(path.read_text(), str(path)) if path.exists() else {}
+    wanted = [*CALLING_SERVICES, operator]
+    if any(name not in tokens for name in wanted):
+        tokens = {name: tokens.get(name) or secrets.token_urlsafe(32) for name in {*tokens, *wanted}}
+        _write_private(path, "".join(f"{n}={t}\n" for n, t in sorted(tokens.items())))
+    _write_private(run_dir / OPERATOR_TOKEN_FILE, tokens[operator] + "\n")
+    return StackTokens(path=path, tokens=tokens, operator=operator)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` readable by its owner only, from the first byte on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def service_env(name: str, ports: StackPorts, extra: dict[str, str] | None = None,
+                tokens: StackTokens | None = None) -> dict[str, str]:
     """Environment for one service (and for the CLI when name is 'cli')."""
     env = {
         "EXAMLOPS_REDIS_URL": ports.redis_url,
@@ -54,6 +113,12 @@ def service_env(name: str, ports: StackPorts, extra: dict[str, str] | None = Non
     }
     if name in ports.services:
         env["EXAMLOPS_PORT"] = str(ports.services[name])
+    if tokens is not None:
+        env[TOKENS_FILE_VAR] = str(tokens.path)
+        if name in tokens.tokens:
+            env[SERVICE_TOKEN_VAR] = tokens.tokens[name]
+        if name == "cli":
+            env[OPERATOR_TOKEN_VAR] = tokens.operator_token
     return {**env, **(extra or {})}
 
 

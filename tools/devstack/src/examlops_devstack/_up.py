@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops.svc import DEFAULT_ADMIN_KEY, blocking_channel
 
 from ._procs import (
     RUN_DIR_ENV,
@@ -34,7 +34,7 @@ from ._procs import (
     wait_grpc,
     wait_http,
 )
-from ._stack import SERVICES, StackPorts, service_argv, service_env
+from ._stack import SERVICES, StackPorts, StackTokens, service_argv, service_env, stack_tokens
 
 PARTS = ["redis", *SERVICES, "vllm"]
 BOLD, DIM, GREEN, RED, RESET = "\033[1m", "\033[2m", "\033[32m", "\033[31m", "\033[0m"
@@ -215,6 +215,7 @@ def reap_leftovers(run: RunDir, ports: StackPorts) -> None:
 def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, model_dir: Path | None) -> None:
     started = time.monotonic()
     reap_leftovers(run, ports)
+    tokens = stack_tokens(run.root)  # generated once into .run/ (0600); exa finds its own there
     for part in ["redis", *SERVICES]:
         pid = run.pid(part)
         if pid is not None and healthy(part, ports):
@@ -226,7 +227,7 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
             if part == "redis":
                 proc = start_redis(run, ports)
             else:
-                proc = spawn(part, service_argv(part), {**service_env(part, ports), **run.env},
+                proc = spawn(part, service_argv(part), {**service_env(part, ports, tokens=tokens), **run.env},
                              run.logs / f"{part}.log")
                 run.record(part, proc)
                 if part == "gateway":
@@ -252,15 +253,14 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
             except BaseException:
                 run.stop("vllm")  # an API server that died leaves its engine core behind
                 raise
-    model = _register(ports, engine)
+    model = _register(ports, engine, tokens)
     answer, took = _first_answer(ports, model)
     say(f"stack up in {time.monotonic() - started:.0f} s; {model} answered through the gateway in {took:.2f} s: "
         f"{answer!r}")
     _usage(ports, model)
 
 
-def _register(ports: StackPorts, engine: str) -> str:
-    import grpc
+def _register(ports: StackPorts, engine: str, tokens: StackTokens) -> str:
     import orjson
 
     from examlops.launcher.v1 import launcher_pb2 as la
@@ -276,7 +276,7 @@ def _register(ports: StackPorts, engine: str) -> str:
     else:
         req = la.StartRequest(name=name, launcher="external", engine_block_json='{"engine": "echo"}',
                               actor="make-up", replace=True)
-    with grpc.insecure_channel(ports.addr("launcher")) as ch:
+    with blocking_channel(ports.addr("launcher"), tokens.operator_token) as ch:
         resp = la_grpc.LauncherStub(ch).Start(req, timeout=30)
     say(f"endpoint {name}: registered, {resp.endpoint.state_reason}")
     return name

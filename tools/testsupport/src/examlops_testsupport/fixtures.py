@@ -18,17 +18,23 @@ import redis
 
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
+from examlops.svc import blocking_channel
 from examlops_devstack import (
     SERVICES,
     Proc,
     StackPorts,
+    StackTokens,
     free_port,
     service_argv,
     service_env,
     spawn,
+    stack_tokens,
     wait_grpc,
     wait_http,
 )
+
+#: The operator credential of the tests' stacks (what their audit events name).
+TEST_OPERATOR = "cli:tests"
 
 
 @dataclass
@@ -70,6 +76,7 @@ def start_redis(workdir: Path, port: int | None = None) -> RedisServer:
 class Stack:
     ports: StackPorts
     workdir: Path
+    tokens: StackTokens
     procs: dict[str, Proc] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -78,7 +85,7 @@ class Stack:
         return self.ports.gateway_url
 
     def env(self, name: str = "cli") -> dict[str, str]:
-        return service_env(name, self.ports, self.extra_env)
+        return service_env(name, self.ports, self.extra_env, tokens=self.tokens)
 
     def start(self, name: str) -> Proc:
         proc = spawn(name, service_argv(name), self.env(name), self.workdir / f"{name}.log")
@@ -105,8 +112,12 @@ class Stack:
         wait_http(url + "/healthz", 30, proc)
         return proc, url
 
+    def channel(self, name: str, token: str | None = None) -> grpc.Channel:
+        """A channel to service `name` sending `token` (default: the tests' operator token)."""
+        return blocking_channel(self.ports.addr(name), self.tokens.operator_token if token is None else token)
+
     def registry(self) -> reg_grpc.RegistryStub:
-        return reg_grpc.RegistryStub(grpc.insecure_channel(self.ports.addr("registry")))
+        return reg_grpc.RegistryStub(self.channel("registry"))
 
     def register(self, name: str, **fields: object) -> reg.Endpoint:
         fields.setdefault("state", reg.ENDPOINT_STATE_READY)
@@ -115,18 +126,19 @@ class Stack:
             reg.RegisterEndpointRequest(endpoint=ep, actor="tests", replace=True), timeout=10)
         return out
 
-    def cli(self, *args: str, check: bool = False, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, check: bool = False, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         exa = Path(sys.executable).parent / "exa"
         assert exa.exists(), f"the exa CLI is not installed beside {sys.executable}"
 
         return subprocess.run([str(exa), *args], capture_output=True, text=True, check=check, timeout=timeout,
-                              env={**os.environ, **self.env(), "COLUMNS": "200"})
+                              env={**os.environ, **self.env(), "COLUMNS": "200", **(env or {})})
 
 
 @contextlib.contextmanager
 def running_stack(workdir: Path, redis_server: RedisServer, extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
     ports = StackPorts(redis=redis_server.port, services={n: free_port() for n in SERVICES})
-    stack = Stack(ports, workdir, extra_env=extra_env or {})
+    stack = Stack(ports, workdir, stack_tokens(workdir, TEST_OPERATOR), extra_env=extra_env or {})
     try:
         for name in SERVICES:
             stack.start(name)

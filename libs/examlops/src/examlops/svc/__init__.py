@@ -1,8 +1,24 @@
-"""Helpers every service shares: settings, gRPC server and errors, the watched route table."""
+"""Helpers every service shares: settings, gRPC server and errors, caller authentication, the route table."""
 
+from ._auth import (
+    MIN_TOKEN_CHARS,
+    OPERATOR_PREFIX,
+    OPERATOR_TOKEN_VAR,
+    OPERATORS,
+    SERVICE_TOKEN_VAR,
+    TOKENS_FILE_VAR,
+    TOKENS_VAR,
+    Access,
+    Caller,
+    ServerAuth,
+    TokenError,
+    blocking_channel,
+    current_caller,
+    load_accepted_tokens,
+    parse_tokens,
+    token_problem,
+)
 from ._grpc import (
-    PARAM_KEY,
-    REASON_KEY,
     abort,
     build_grpc_server,
     error_reason,
@@ -10,6 +26,7 @@ from ._grpc import (
     serve_until_signal,
 )
 from ._logging import configure_logging
+from ._redact import redact, redact_setting
 from ._routes import (
     ADDRESSLESS_ENGINES,
     RouteTable,
@@ -18,26 +35,55 @@ from ._routes import (
     unroutable_reason,
     watch_routes,
 )
-from ._settings import DEFAULT_ADMIN_KEY, DEFAULT_PORTS, ServiceSettings, load_settings, settings_error_lines
+from ._settings import (
+    DEFAULT_ADMIN_KEY,
+    DEFAULT_PORTS,
+    GrpcServiceSettings,
+    ServiceSettings,
+    load_settings,
+    server_auth,
+    settings_error_lines,
+)
+from ._wire import PARAM_KEY, REASON_KEY
 
 __all__ = [
     "ADDRESSLESS_ENGINES",
     "DEFAULT_ADMIN_KEY",
     "DEFAULT_PORTS",
+    "MIN_TOKEN_CHARS",
+    "OPERATORS",
+    "OPERATOR_PREFIX",
+    "OPERATOR_TOKEN_VAR",
     "PARAM_KEY",
     "REASON_KEY",
+    "SERVICE_TOKEN_VAR",
+    "TOKENS_FILE_VAR",
+    "TOKENS_VAR",
+    "Access",
+    "Caller",
+    "GrpcServiceSettings",
     "RouteTable",
+    "ServerAuth",
     "ServiceSettings",
+    "TokenError",
     "abort",
+    "blocking_channel",
     "build_grpc_server",
     "configure_logging",
+    "current_caller",
     "error_reason",
     "insecure_channel",
+    "load_accepted_tokens",
     "load_settings",
     "parse_state",
+    "parse_tokens",
+    "redact",
+    "redact_setting",
     "serve_until_signal",
+    "server_auth",
     "settings_error_lines",
     "state_name",
+    "token_problem",
     "unroutable_reason",
     "watch_routes",
 ]

@@ -14,10 +14,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram
 
+from ._auth import ServerAuth, aio_bearer_interceptors
+from ._wire import PARAM_KEY, REASON_KEY
+
 log = logging.getLogger(__name__)
 
-REASON_KEY = "examlops-reason"
-PARAM_KEY = "examlops-param"
 
 RPC_SECONDS = Histogram(
     "examlops_grpc_server_handling_seconds", "Time to handle a gRPC call (until the handler returns).",
@@ -64,12 +65,14 @@ def build_grpc_server(
     port: int,
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
+    auth: ServerAuth,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """A grpc.aio server with health, reflection and metrics; returns it with its bound port.
+    """A grpc.aio server with health, reflection, metrics and caller authentication (`auth`).
 
-    port=0 binds a free port (tests use that).
+    Returns it with its bound port; port=0 binds a free port (tests use that). Refused calls are
+    counted too: the metrics interceptor runs outside the authentication one.
     """
-    server = grpc.aio.server(interceptors=[_MetricsInterceptor()], options=[
+    server = grpc.aio.server(interceptors=[_MetricsInterceptor(), auth.interceptor()], options=[
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -131,9 +134,13 @@ def error_reason(exc: grpc.aio.AioRpcError) -> tuple[str, str]:
     return str(meta.get(REASON_KEY, "")), str(meta.get(PARAM_KEY, ""))
 
 
-def insecure_channel(addr: str) -> grpc.aio.Channel:
-    """One long-lived channel per peer."""
-    return grpc.aio.insecure_channel(addr, options=[
+def insecure_channel(addr: str, token: str) -> grpc.aio.Channel:
+    """One long-lived channel per peer; every call carries `token` (the caller's EXAMLOPS_SERVICE_TOKEN).
+
+    The transport is plaintext (TLS, where wanted, is the mesh's or the proxy's job); the token is
+    what the peer authenticates.
+    """
+    return grpc.aio.insecure_channel(addr, interceptors=aio_bearer_interceptors(token), options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.keepalive_time_ms", 30_000),

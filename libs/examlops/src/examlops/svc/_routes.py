@@ -19,6 +19,8 @@ import grpc
 from examlops.registry.v1 import registry_pb2 as pb
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 
+from ._grpc import insecure_channel
+
 log = logging.getLogger(__name__)
 
 Endpoint = pb.Endpoint
@@ -80,14 +82,17 @@ async def watch_routes(
     table: RouteTable,
     on_change: Callable[[Endpoint, bool], None] | None = None,
     max_backoff_s: float = 2.0,
+    *,
+    token: str,
 ) -> None:
     """Keep `table` in step with the registry forever (run it as a task; cancel to stop).
 
-    `on_change(endpoint, deleted)` is called for every change after the snapshot.
+    `on_change(endpoint, deleted)` is called for every change after the snapshot; `token` is the
+    caller's EXAMLOPS_SERVICE_TOKEN.
     """
     backoff = 0.05
     while True:
-        channel = grpc.aio.insecure_channel(registry_addr)
+        channel = insecure_channel(registry_addr, token)
         try:
             stub = pb_grpc.RegistryStub(channel)
             fresh: dict[str, Endpoint] = {}
@@ -118,8 +123,8 @@ async def watch_routes(
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
-            log.warning("registry watch at %s broke (%s); keeping %d routes, retrying",
-                        registry_addr, exc.code().name, len(table.endpoints))
+            log.warning("registry watch at %s broke (%s: %s); keeping %d routes, retrying",
+                        registry_addr, exc.code().name, exc.details(), len(table.endpoints))
         finally:
             await channel.close()
         await asyncio.sleep(backoff * (1 + random.random() / 2))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import sys
 from typing import TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ._auth import Access, ServerAuth, TokenError, load_accepted_tokens, token_problem
+from ._redact import redact_setting
 
 ENV_PREFIX = "EXAMLOPS_"
 
@@ -32,17 +35,65 @@ class ServiceSettings(BaseSettings):
         default=0, ge=0, le=65535,
         description="Prometheus /metrics port for gRPC services; 0 disables the exporter.",
     )
+    service_token: SecretStr = Field(
+        default=SecretStr(""),
+        description="This service's own bearer token, sent on every call to another service "
+                    "(its peers list it in EXAMLOPS_INTERNAL_TOKENS under this service's name).",
+    )
+
+    @field_validator("service_token")
+    @classmethod
+    def _usable_token(cls, value: SecretStr) -> SecretStr:
+        problem = token_problem(value.get_secret_value()) if value.get_secret_value() else None
+        if problem:
+            raise ValueError(f"the token {problem}")
+        return value
+
+
+class GrpcServiceSettings(ServiceSettings):
+    """Settings of a gRPC server: who may call it."""
+
+    internal_tokens: SecretStr = Field(
+        default=SecretStr(""),
+        description="Callers this server accepts, as name=token pairs (comma- or newline-separated); "
+                    "names starting with cli: are operators.")
+    internal_tokens_file: str = Field(
+        default="", description="A file of name=token lines, read at start-up (a mounted Secret).")
+
+    @model_validator(mode="after")
+    def _callers_are_listed(self) -> GrpcServiceSettings:
+        try:
+            load_accepted_tokens(self.internal_tokens.get_secret_value(), self.internal_tokens_file)
+        except TokenError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
+def server_auth(settings: GrpcServiceSettings, service: str, access: Access) -> ServerAuth:
+    """The authentication of one server, from its (already validated) settings."""
+    tokens = load_accepted_tokens(settings.internal_tokens.get_secret_value(), settings.internal_tokens_file)
+    return ServerAuth(service, tokens, access)
 
 
 S = TypeVar("S", bound=BaseSettings)
 
 
-def settings_error_lines(exc: ValidationError, prefix: str = ENV_PREFIX) -> list[str]:
-    """One line per invalid variable, naming it as the operator sets it."""
+def settings_error_lines(exc: ValidationError, prefix: str = ENV_PREFIX,
+                         cls: type[BaseSettings] | None = None) -> list[str]:
+    """One line per invalid variable, naming it as the operator sets it.
+
+    The value is shown only when it is no secret, with URL passwords masked; a check across
+    several settings shows none (its input is every setting, the admin key included).
+    """
     lines = []
     for err in exc.errors():
+        if not err["loc"]:
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
         name = prefix + "_".join(str(p) for p in err["loc"]).upper()
-        lines.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+        field = cls.model_fields.get(str(err["loc"][0])) if cls is not None else None
+        secret = field is not None and field.annotation is SecretStr
+        lines.append(f"{name}: {err['msg']} (got {redact_setting(name, err.get('input'), secret)})")
     return lines
 
 
@@ -51,6 +102,6 @@ def load_settings(cls: type[S]) -> S:
     try:
         return cls()
     except ValidationError as exc:
-        for line in settings_error_lines(exc):
+        for line in settings_error_lines(exc, cls=cls):
             sys.stderr.write(f"invalid setting {line}\n")
         raise SystemExit(2) from None

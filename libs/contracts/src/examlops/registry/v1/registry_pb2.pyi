@@ -142,7 +142,7 @@ class EndpointEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[EndpointEvent.Kind, str]] = ..., endpoint: _Optional[_Union[Endpoint, _Mapping]] = ...) -> None: ...
 
 class AuditEvent(_message.Message):
-    __slots__ = ("id", "actor", "action", "target", "before_json", "after_json", "time_ms")
+    __slots__ = ("id", "actor", "action", "target", "before_json", "after_json", "time_ms", "on_behalf_of")
     ID_FIELD_NUMBER: _ClassVar[int]
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class AuditEvent(_message.Message):
     BEFORE_JSON_FIELD_NUMBER: _ClassVar[int]
     AFTER_JSON_FIELD_NUMBER: _ClassVar[int]
     TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
     id: str
     actor: str
     action: str
@@ -157,7 +158,8 @@ class AuditEvent(_message.Message):
     before_json: str
     after_json: str
     time_ms: int
-    def __init__(self, id: _Optional[str] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., before_json: _Optional[str] = ..., after_json: _Optional[str] = ..., time_ms: _Optional[int] = ...) -> None: ...
+    on_behalf_of: str
+    def __init__(self, id: _Optional[str] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., target: _Optional[str] = ..., before_json: _Optional[str] = ..., after_json: _Optional[str] = ..., time_ms: _Optional[int] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class RecordAuditEventRequest(_message.Message):
     __slots__ = ("event",)

@@ -1,0 +1,320 @@
+"""Authentication of internal gRPC calls: one bearer token per caller, checked by every server.
+
+Each caller (a service, or an operator using `exa`) has a name and a secret token. A server accepts
+the `name=token` pairs of EXAMLOPS_INTERNAL_TOKENS (or of the file EXAMLOPS_INTERNAL_TOKENS_FILE);
+a client sends its own token (EXAMLOPS_SERVICE_TOKEN for a service, EXAMLOPS_OPERATOR_TOKEN for
+`exa`) as `authorization: Bearer <token>` metadata on every call. The server's interceptor compares
+in constant time, refuses a missing or unknown token with UNAUTHENTICATED, a caller its access rules
+do not name with PERMISSION_DENIED, and hands the caller's name to the handler (`current_caller()`),
+so what is audited is who holds the credential, never what a request claims.
+
+Bearer tokens rather than mTLS: rotating one is editing a list (no certificates to reissue), they
+pass through any proxy or port-forward, and dev needs no CA. grpc.health.v1 and reflection stay
+open, for probes. Names starting with `cli:` are operators; every other name is a service.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import grpc
+
+from ._wire import PARAM_KEY, REASON_KEY
+
+TOKENS_VAR = "EXAMLOPS_INTERNAL_TOKENS"
+TOKENS_FILE_VAR = "EXAMLOPS_INTERNAL_TOKENS_FILE"
+SERVICE_TOKEN_VAR = "EXAMLOPS_SERVICE_TOKEN"
+OPERATOR_TOKEN_VAR = "EXAMLOPS_OPERATOR_TOKEN"
+MIN_TOKEN_CHARS = 32
+OPERATOR_PREFIX = "cli:"
+#: Access-rule key that stands for every operator (`cli:*`).
+OPERATORS = "cli:*"
+#: Open without a token: probes and tooling must reach them.
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                        "/grpc.reflection.v1.ServerReflection/")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,63}$")
+_FIX = (f"set {SERVICE_TOKEN_VAR} (a service) or {OPERATOR_TOKEN_VAR} (exa; `exa dev env` prints it) to a "
+        f"token listed in this server's {TOKENS_VAR} or {TOKENS_FILE_VAR}")
+
+
+class TokenError(ValueError):
+    """A token list or token that cannot be used; the message names the variable."""
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` is unusable, or None."""
+    if len(token) < MIN_TOKEN_CHARS:
+        return (f"is {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
+                "(python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    if any(c.isspace() or c in ",=" for c in token):
+        return "contains whitespace, ',' or '='"
+    return None
+
+
+def parse_tokens(text: str, source: str) -> dict[str, str]:
+    """`name=token` pairs, one per line or comma-separated (# comments) -> {name: token}."""
+    out: dict[str, str] = {}
+    for raw in re.split(r"[,\n]", text):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        name, sep, token = (part.strip() for part in entry.partition("="))
+        if not sep or not _NAME_RE.match(name):
+            raise TokenError(f"{source}: expected name=token pairs (names of letters, digits, '.', '_', '@', ':', "
+                             f"'-'); got an entry named {name!r}")
+        problem = token_problem(token)
+        if problem:
+            raise TokenError(f"{source}: the token of {name!r} {problem}")
+        if name in out:
+            raise TokenError(f"{source}: {name!r} is listed twice")
+        if token in out.values():
+            raise TokenError(f"{source}: {name!r} has the same token as another caller")
+        out[name] = token
+    return out
+
+
+def load_accepted_tokens(inline: str, path: str) -> dict[str, str]:
+    """The callers a server accepts, from EXAMLOPS_INTERNAL_TOKENS and/or EXAMLOPS_INTERNAL_TOKENS_FILE."""
+    tokens = parse_tokens(inline, TOKENS_VAR)
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise TokenError(f"{TOKENS_FILE_VAR}: cannot read {path}: {exc.strerror}") from None
+        for name, token in parse_tokens(text, f"{TOKENS_FILE_VAR} ({path})").items():
+            if name in tokens:
+                raise TokenError(f"{name!r} is listed in both {TOKENS_VAR} and {TOKENS_FILE_VAR}")
+            tokens[name] = token
+    if not tokens:
+        raise TokenError(f"{TOKENS_VAR} or {TOKENS_FILE_VAR} must list the callers this server accepts as "
+                         "name=token pairs (`make up` generates them into .run/internal-tokens)")
+    return tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who made the current call, as its credential says."""
+
+    name: str
+
+    @property
+    def operator(self) -> bool:
+        return self.name.startswith(OPERATOR_PREFIX)
+
+    def attribute(self, claimed: str) -> tuple[str, str]:
+        """(actor, on_behalf_of) to audit for a request that claims `claimed` as its actor.
+
+        The actor is always the credential's name. A service (the gateway's admin API, the
+        launcher acting for an operator) has authenticated its own user, so what it names is kept
+        as on_behalf_of; what an operator's request claims is not evidence of anything.
+        """
+        if self.operator or not claimed or claimed == self.name:
+            return self.name, ""
+        return self.name, claimed
+
+
+_CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("examlops_caller", default=None)
+
+
+def current_caller() -> Caller:
+    """The authenticated caller of the call being handled (set by the server's interceptor)."""
+    caller = _CALLER.get()
+    if caller is None:
+        raise RuntimeError("no authenticated caller: the handler runs outside an authenticated gRPC call")
+    return caller
+
+
+@dataclass(frozen=True)
+class Access:
+    """Which callers may call which RPCs of one server.
+
+    Keys are caller names, or OPERATORS for every `cli:` caller; a value is the set of RPC names
+    that caller may call, or None for every RPC. A caller not named is refused everything.
+    """
+
+    rules: Mapping[str, frozenset[str] | None]
+
+    def allows(self, caller: Caller, rpc: str) -> bool:
+        key = OPERATORS if caller.operator else caller.name
+        if key not in self.rules:
+            return False
+        allowed = self.rules[key]
+        return allowed is None or rpc in allowed
+
+    def callers_of(self, rpc: str) -> list[str]:
+        return sorted(k for k, v in self.rules.items() if v is None or rpc in v)
+
+
+@dataclass(frozen=True)
+class ServerAuth:
+    """What one server accepts: its callers' tokens and its access rules."""
+
+    service: str
+    tokens: Mapping[str, str]
+    access: Access
+
+    def identify(self, token: str) -> Caller | None:
+        """The caller holding `token`; every entry is compared, in constant time each."""
+        found: str | None = None
+        presented = token.encode()
+        for name, secret in self.tokens.items():
+            if hmac.compare_digest(presented, secret.encode()):
+                found = name
+        return Caller(found) if found is not None else None
+
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        return _AuthInterceptor(self)
+
+
+def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, reason: str,
+             message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with `code`."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        context.set_trailing_metadata(((REASON_KEY, reason), (PARAM_KEY, "authorization")))
+        await context.abort(code, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        factory: Callable[..., grpc.RpcMethodHandler] = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        factory = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        factory = grpc.unary_stream_rpc_method_handler
+    else:
+        factory = grpc.unary_unary_rpc_method_handler
+    return factory(refuse, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, auth: ServerAuth) -> None:
+        self.auth = auth
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method: str = details.method
+        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        token = _bearer(details.invocation_metadata)
+        service = self.auth.service
+        if not token:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                            f"{service}: the call carries no bearer token; {_FIX}")
+        caller = self.auth.identify(token)
+        if caller is None:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                            f"{service}: the bearer token is not one this server accepts; {_FIX}")
+        rpc = method.rsplit("/", 1)[-1]
+        if not self.auth.access.allows(caller, rpc):
+            allowed = ", ".join(self.auth.access.callers_of(rpc)) or "nobody"
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "caller_not_allowed",
+                            f"{service}: caller {caller.name!r} may not call {rpc} (allowed: {allowed})")
+        # Each call is handled in its own task: the caller is visible to this call's handler only.
+        _CALLER.set(caller)
+        return handler
+
+
+# --- client side -------------------------------------------------------------------------------
+
+def _aio_details(details: grpc.aio.ClientCallDetails, header: str) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
+    metadata.add("authorization", header)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                      details.wait_for_ready)
+
+
+class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, header: str) -> None:
+        self.header = header
+
+    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:
+        return await continuation(_aio_details(details, self.header), request)
+
+
+class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, header: str) -> None:
+        self.header = header
+
+    async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                     request: Any) -> Any:
+        return await continuation(_aio_details(details, self.header), request)
+
+
+class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, header: str) -> None:
+        self.header = header
+
+    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
+        return await continuation(_aio_details(details, self.header), request_iterator)
+
+
+class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, header: str) -> None:
+        self.header = header
+
+    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
+        return await continuation(_aio_details(details, self.header), request_iterator)
+
+
+def aio_bearer_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that send `token` on every call of an aio channel (one per call shape)."""
+    header = f"Bearer {token}"
+    return [_AioUnaryUnary(header), _AioUnaryStream(header), _AioStreamUnary(header), _AioStreamStream(header)]
+
+
+class _SyncDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _SyncBearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d: Any) -> Any:
+        return _SyncDetails(d.method, d.timeout, [*(d.metadata or ()), self.header], d.credentials,
+                            d.wait_for_ready, getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def blocking_channel(addr: str, token: str) -> grpc.Channel:
+    """A blocking (non-aio) channel that sends `token` on every call: the CLI, make up, the tests."""
+    return grpc.intercept_channel(grpc.insecure_channel(addr), _SyncBearer(token))
