@@ -88,12 +88,13 @@ class KeyLimits:
         return out
 
 
-def public_row(f: dict[str, str]) -> dict[str, Any]:
-    """A key as operators see it: amounts in USD (and exact micro-USD), never the hash."""
+def public_row(f: dict[str, str], clock_ms: int) -> dict[str, Any]:
+    """A key as operators see it: amounts in USD (and exact micro-USD), never the hash. `clock_ms` is
+    Redis' clock (KeyStore.clock_ms), the one the scripts judge expiry by."""
     budget = int(f.get("budget", "-1"))
     spent, reserved = int(f.get("spent", "0")), int(f.get("reserved", "0"))
     expires, revoked = int(f.get("expires_ms", "0")), int(f.get("revoked_ms", "0"))
-    state = "revoked" if revoked else "expired" if expires and expires <= now_ms() else "active"
+    state = "revoked" if revoked else "expired" if expires and expires <= clock_ms else "active"
     return {
         "id": f["id"], "tenant": f.get("tenant", ""), "project": f.get("project", ""),
         "models": [m for m in f.get("models", "").split(",") if m],
@@ -134,6 +135,11 @@ class KeyStore:
         await self.r.sadd(KEY_INDEX, key_id)
         await self.r.hset(redis_keys(key_id)[0], mapping=cast(Any, record))
         return record
+
+    async def clock_ms(self) -> int:
+        """Redis' clock, which the scripts judge a key's expiry by."""
+        secs, micros = await self.r.time()
+        return int(secs) * 1000 + int(micros) // 1000
 
     async def get(self, key_id: str) -> dict[str, str] | None:
         if not _ID_RE.match(key_id):

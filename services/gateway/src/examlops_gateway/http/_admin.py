@@ -110,8 +110,10 @@ async def issue_key(request: Request, state: StateDep) -> Response:
     _check(body.models, body.expires_at)
     key_id, token = new_key()
     limits = _limits(body, body.models)
+    store = KeyStore(state.redis)
+    clock = await store.clock_ms()
     preview = public_row({"id": key_id, "tenant": body.tenant, "project": body.project, "created_ms": str(now_ms()),
-                          **limits.fields()})
+                          **limits.fields()}, clock)
     await _audit(state, request, "key.issue", key_id, None, preview)
     try:
         await state.registry.AttributeResource(reg.AttributeResourceRequest(
@@ -120,14 +122,15 @@ async def issue_key(request: Request, state: StateDep) -> Response:
     except grpc.aio.AioRpcError as exc:
         raise OpenAIError(503, f"cannot attribute the key to project {body.project!r} ({exc.code().name})",
                           type="service_unavailable", code="registry_unavailable") from None
-    store = KeyStore(state.redis)
     record = await store.create(key_id, token, body.tenant, body.project, limits)
-    return _json({"virtual_key": token, **public_row(record)}, 201)
+    return _json({"virtual_key": token, **public_row(record, clock)}, 201)
 
 
 @router.get("/keys")
 async def list_keys(state: StateDep, include_revoked: bool = False) -> Response:
-    rows = [public_row(f) for f in await KeyStore(state.redis).all()]
+    store = KeyStore(state.redis)
+    clock = await store.clock_ms()
+    rows = [public_row(f, clock) for f in await store.all()]
     rows = [r for r in rows if include_revoked or r["state"] != "revoked"]
     rows.sort(key=lambda r: (r["tenant"], r["project"], r["created_at"], r["id"]))
     return _json({"object": "list", "data": rows})
@@ -135,7 +138,8 @@ async def list_keys(state: StateDep, include_revoked: bool = False) -> Response:
 
 @router.get("/keys/{key_id}")
 async def get_key(state: StateDep, key_id: str) -> Response:
-    return _json(public_row(await _existing(KeyStore(state.redis), key_id)))
+    store = KeyStore(state.redis)
+    return _json(public_row(await _existing(store, key_id), await store.clock_ms()))
 
 
 @router.patch("/keys/{key_id}", openapi_extra=parsed_body(UpdateKey))
@@ -148,19 +152,22 @@ async def update_key(request: Request, state: StateDep, key_id: str) -> Response
     if not fields:
         raise OpenAIError(400, "nothing to change: give budget_usd, rpm, tpm, models or expires_at",
                           code="invalid_value")
-    await _audit(state, request, "key.update", key_id, public_row(before), public_row({**before, **fields}))
-    return _json(public_row(await store.update(key_id, fields)))
+    clock = await store.clock_ms()
+    await _audit(state, request, "key.update", key_id, public_row(before, clock),
+                 public_row({**before, **fields}, clock))
+    return _json(public_row(await store.update(key_id, fields), clock))
 
 
 @router.post("/keys/{key_id}/revoke")
 async def revoke_key(request: Request, state: StateDep, key_id: str) -> Response:
     store = KeyStore(state.redis)
-    before = await _existing(store, key_id)
+    before, clock = await _existing(store, key_id), await store.clock_ms()
     if int(before.get("revoked_ms", "0")):
-        return _json(public_row(before))
+        return _json(public_row(before, clock))
     fields = {"revoked_ms": str(now_ms())}
-    await _audit(state, request, "key.revoke", key_id, public_row(before), public_row({**before, **fields}))
-    return _json(public_row(await store.update(key_id, fields)))
+    await _audit(state, request, "key.revoke", key_id, public_row(before, clock),
+                 public_row({**before, **fields}, clock))
+    return _json(public_row(await store.update(key_id, fields), clock))
 
 
 @router.get("/spend")

@@ -22,6 +22,7 @@ from ._protocol import GenerationRequest
 
 async def serve_generation(request: Request, state: GatewayState, caller: Caller, kind: int,
                            schema: type[GenerationRequest]) -> Response:
+    # auth: `caller` is the CallerDep dependency, resolved by FastAPI before this runs
     started = time.perf_counter()
     raw, req = await parse_body(request, state.settings.max_body_bytes, schema)  # parse
     ticket = await state.governor.admit(caller, req, raw, started)               # admit
