@@ -48,7 +48,6 @@ class LauncherServicer(pb_grpc.LauncherServicer):
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, exc: LaunchError) -> NoReturn:
         await abort(context, exc.code, exc.reason, str(exc), exc.param)
-        raise AssertionError("unreachable")  # abort raises
 
     async def _registry_call(self, context: grpc.aio.ServicerContext, coro: Awaitable[T]) -> T:
         try:
@@ -56,7 +55,6 @@ class LauncherServicer(pb_grpc.LauncherServicer):
         except grpc.aio.AioRpcError as exc:
             reason, param = error_reason(exc)
             await abort(context, exc.code(), reason or "registry_error", exc.details() or "", param)
-            raise AssertionError("unreachable") from None  # abort raises
 
     async def _find(self, name: str, context: grpc.aio.ServicerContext) -> reg.Endpoint | None:
         try:
