@@ -148,12 +148,12 @@ def running_stack(workdir: Path, redis_server: RedisServer, extra_env: dict[str,
             proc.stop()
 
 
-def wait_until(check: object, timeout_s: float = 5.0, interval_s: float = 0.02) -> float:
-    """Poll `check()` until truthy; returns the seconds it took (AssertionError on timeout)."""
+def wait_until(check: object, timeout_s: float = 5.0, interval_s: float = 0.02, what: str = "condition") -> float:
+    """Poll `check()` until truthy; returns the seconds it took (AssertionError naming `what` on timeout)."""
     start = time.monotonic()
     while True:
         if check():  # type: ignore[operator]
             return time.monotonic() - start
         if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s}s")
+            raise AssertionError(f"{what} not met within {timeout_s:g} s")
         time.sleep(interval_s)

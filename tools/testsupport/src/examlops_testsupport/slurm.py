@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from examlops_devstack import Proc, service_argv, spawn, wait_grpc
 from examlops_testsupport import REPO_ROOT
-from examlops_testsupport.fixtures import Stack
+from examlops_testsupport.fixtures import Stack, wait_until
 
 ROOT = REPO_ROOT
 SCRIPTS = ROOT / "scripts"
@@ -147,10 +146,5 @@ def extra_launcher(stack: Stack, workdir: Path, name: str, settings: dict[str, s
 
 
 def wait_for(check: object, timeout_s: float, interval_s: float = 1.0, what: str = "condition") -> float:
-    start = time.monotonic()
-    while True:
-        if check():  # type: ignore[operator]
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{what} not met within {timeout_s:.0f} s")
-        time.sleep(interval_s)
+    """`wait_until` with the slower default cadence of scheduler polls."""
+    return wait_until(check, timeout_s, interval_s, what)
