@@ -82,6 +82,9 @@ def test_every_service_has_a_healthcheck() -> None:
     for name, svc in everything["services"].items():
         check = svc.get("healthcheck") or {}
         assert check.get("test") and not check.get("disable"), f"{name} has no healthcheck"
+    # The gateway is healthy when ready: Redis answers and its route and price tables are synced.
+    gateway = everything["services"]["gateway"]["healthcheck"]["test"]
+    assert "http://127.0.0.1:8080/readyz" in gateway[-1], gateway
 
 
 def test_redis_keeps_an_fsynced_append_only_file_on_a_named_volume(default_stack: dict[str, Any]) -> None:

@@ -191,7 +191,7 @@ def test_image_is_multi_stage_non_root_with_healthcheck(name: str) -> None:
     options, _, command = img.last("HEALTHCHECK").partition(" CMD ")
     assert "--start-period=" in options
     if name == "gateway":
-        assert f"http://127.0.0.1:{port}/healthz" in exec_form(command)[-1]
+        assert f"http://127.0.0.1:{port}/readyz" in exec_form(command)[-1]  # healthy = ready (depends_on)
         assert img.exposed == {str(port)}  # /metrics is served on the API's port
     else:
         # Shell form, expanded in the container with the image's environment.

@@ -105,11 +105,14 @@ def test_grpc_services_use_native_grpc_probes_on_their_port(rendered: list[dict[
         assert svc_ports["grpc"]["port"] == port and svc_ports["grpc"]["targetPort"] == "grpc"
 
 
-def test_gateway_is_probed_on_healthz_and_gets_the_admin_key_from_the_secret(
+def test_gateway_is_probed_on_livez_and_readyz_and_gets_the_admin_key_from_the_secret(
         rendered: list[dict[str, Any]]) -> None:
     c = one_container(objects(rendered, "Deployment")["gateway"])
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    # Liveness never depends on Redis or the registry (a restart brings neither back); readiness does.
+    probes = {probe: c[probe]["httpGet"] for probe in ("readinessProbe", "livenessProbe", "startupProbe")}
+    assert probes == {"readinessProbe": {"path": "/readyz", "port": "http"},
+                      "livenessProbe": {"path": "/livez", "port": "http"},
+                      "startupProbe": {"path": "/livez", "port": "http"}}
     assert {"name": "http", "containerPort": DEFAULT_PORTS["gateway"]} in c["ports"]
     [secret] = objects(rendered, "Secret").values()
     key = next(e for e in c["env"] if e["name"] == "EXAMLOPS_ADMIN_KEY")

@@ -9,7 +9,6 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import orjson
 import redis.asyncio as redis
 import uvicorn
 from fastapi import FastAPI
@@ -22,10 +21,12 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable, configure_logging, insecure_channel, load_settings, redact, watch_routes
 
+from ._health import RedisPing
+from ._health import router as health_router
 from ._settings import GatewaySettings
 from ._state import GatewayState
 from .governance import Governor, PriceBook, Reaper, follow_prices
-from .http import StateDep, admin_router, install_error_handlers, install_openapi, openai_router
+from .http import admin_router, install_error_handlers, install_openapi, openai_router
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             settings=settings, routes=routes, engine_proxy=ep_grpc.EngineProxyStub(channel),
             channel=channel, admin_key=settings.admin_key.get_secret_value().encode(),
             registry=registry, registry_channel=registry_channel, redis=client, prices=prices,
-            governor=Governor(settings, client, prices, replica_id), replica_id=replica_id)
+            governor=Governor(settings, client, prices, replica_id), replica_id=replica_id,
+            redis_ping=RedisPing(settings.redis_url))
         tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes, token=token)),
                  asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
                  asyncio.create_task(reaper.run())]
@@ -81,24 +83,17 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             await reaper.leave()
             await channel.close()
             await registry_channel.close()
-            with contextlib.suppress(redis.RedisError):
-                await client.aclose()
+            for closing in (app.state.gateway.redis_ping, client):
+                with contextlib.suppress(redis.RedisError):
+                    await closing.aclose()
 
     app = FastAPI(title="ExaMLOps gateway", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
+    app.include_router(health_router)  # /livez, /readyz, /healthz (= /readyz)
     install_openapi(app)
-
-    @app.get("/healthz", include_in_schema=False)
-    async def healthz(state: StateDep) -> Response:
-        synced = state.routes.synced.is_set()
-        priced = state.prices.synced.is_set()
-        body = {"status": "ok" if synced and priced else "starting", "routes": len(state.routes.routable()),
-                "route_table_synced": synced, "prices_synced": priced, "replica": state.replica_id}
-        return Response(orjson.dumps(body), status_code=200 if synced and priced else 503,
-                        media_type="application/json")
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import redis.asyncio as redis
@@ -13,6 +14,9 @@ from examlops.svc import RouteTable
 
 from ._settings import GatewaySettings
 from .governance import Governor, PriceBook
+
+if TYPE_CHECKING:  # _health's routes read this state
+    from ._health import RedisPing
 
 
 @dataclass(slots=True)
@@ -28,3 +32,4 @@ class GatewayState:
     prices: PriceBook
     governor: Governor
     replica_id: str
+    redis_ping: RedisPing        # readiness: does Redis answer (its own connection)
