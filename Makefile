@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export EXAMLOPS_USECASE_DIR ?= $(CURDIR)/usecases
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps test-deps vllm-env clean
+.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps test-deps vllm-env compose-env clean
 
 help: ## Show the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -80,6 +80,9 @@ lock: venv ## Recompile every service image's hashed lock (services/<name>/requi
 bench: venv system-deps ## Gateway overhead, and governance's added cost, against in-run baselines
 	@$(PY) bench/bench_gateway.py
 	@$(PY) bench/bench_governance.py
+
+compose-env: ## Write fresh secrets (admin key, internal tokens, vLLM key) into ./.env for docker compose (0600; keeps existing ones)
+	@python3 scripts/compose_env.py
 
 clean: down ## Remove the local stack state and the virtual environment
 	rm -rf .run $(VENV)

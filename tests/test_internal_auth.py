@@ -205,7 +205,7 @@ def test_a_settings_error_does_not_print_the_admin_key_or_a_redis_password() -> 
 def test_a_redis_url_with_a_password_is_logged_redacted(name: str) -> None:
     port = free_port()  # nothing listens there
     env = {"EXAMLOPS_REDIS_URL": f"redis://:{REDIS_PASSWORD}@127.0.0.1:{port}/0",
-           "EXAMLOPS_INTERNAL_TOKENS": "cli:ok=" + "k" * 40}
+           "EXAMLOPS_INTERNAL_TOKENS": "cli:ok=" + "k" * 40, "EXAMLOPS_ADMIN_KEY": SECRET_ADMIN_KEY}
     out = run_service(name, env)
     assert out.returncode != 0
     assert f"redis://:***@127.0.0.1:{port}/0" in out.stderr, out.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -48,9 +49,8 @@ def test_kustomize_renders_every_part(rendered: list[dict[str, Any]]) -> None:
     assert set(objects(rendered, "StatefulSet")) == {"redis"}
     assert set(objects(rendered, "Service")) == {"redis", *SERVICES}
     [config] = objects(rendered, "ConfigMap").values()
-    [secret] = objects(rendered, "Secret").values()
     assert config["metadata"]["name"].startswith("examlops-config-")  # generated, content-hashed
-    assert secret["metadata"]["name"].startswith("examlops-admin-")
+    assert not objects(rendered, "Secret")  # every secret is the operator's (see the next tests)
     for d in rendered:
         assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "examlops", d["metadata"]["name"]
 
@@ -105,7 +105,7 @@ def test_grpc_services_use_native_grpc_probes_on_their_port(rendered: list[dict[
         assert svc_ports["grpc"]["port"] == port and svc_ports["grpc"]["targetPort"] == "grpc"
 
 
-def test_gateway_is_probed_on_livez_and_readyz_and_gets_the_admin_key_from_the_secret(
+def test_gateway_is_probed_on_livez_and_readyz_and_gets_the_admin_key_from_the_operators_secret(
         rendered: list[dict[str, Any]]) -> None:
     c = one_container(objects(rendered, "Deployment")["gateway"])
     # Liveness never depends on Redis or the registry (a restart brings neither back); readiness does.
@@ -114,11 +114,13 @@ def test_gateway_is_probed_on_livez_and_readyz_and_gets_the_admin_key_from_the_s
                       "livenessProbe": {"path": "/livez", "port": "http"},
                       "startupProbe": {"path": "/livez", "port": "http"}}
     assert {"name": "http", "containerPort": DEFAULT_PORTS["gateway"]} in c["ports"]
-    [secret] = objects(rendered, "Secret").values()
     key = next(e for e in c["env"] if e["name"] == "EXAMLOPS_ADMIN_KEY")
-    ref = key["valueFrom"]["secretKeyRef"]
-    # kustomize rewrote the reference to the generated (hashed) name.
-    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "examlops-admin", "key": "EXAMLOPS_ADMIN_KEY"}
+    # The Secret is created by the operator (the command is in kustomization.yaml), never committed.
+    assert "examlops-admin" not in objects(rendered, "Secret")
+    committed = "\n".join(p.read_text() for p in sorted((ROOT / "k8s").rglob("*.y*ml")))
+    assert "kubectl -n examlops create secret generic examlops-admin" in committed
+    assert not re.search(r"^\s*-?\s*EXAMLOPS_ADMIN_KEY\s*[=:]\s*\S", committed, re.MULTILINE), "a committed key value"
     # No other workload carries the secret.
     for name, workload in workloads(rendered):
         if name != "gateway":

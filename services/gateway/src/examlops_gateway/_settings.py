@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from examlops.svc import DEFAULT_ADMIN_KEY, DEFAULT_PORTS, ServiceSettings
+from examlops.svc import DEFAULT_ADMIN_KEY, DEFAULT_PORTS, MIN_TOKEN_CHARS, ServiceSettings
 
 
 class GatewaySettings(ServiceSettings):
@@ -14,8 +14,11 @@ class GatewaySettings(ServiceSettings):
                                description="Registry gRPC address; its watch feeds the route table.")
     engine_proxy_addr: str = Field(default=f"127.0.0.1:{DEFAULT_PORTS['engine-proxy']}",
                                    description="Engine-proxy gRPC address (generation).")
+    dev_mode: bool = Field(default=False,
+                           description="Development stack (make up, the tests): allows the well-known dev admin key.")
     admin_key: SecretStr = Field(default=SecretStr(DEFAULT_ADMIN_KEY),
-                                 description="Bearer key with every right; change it outside dev.")
+                                 description=f"Bearer key with every right; outside dev mode at least "
+                                             f"{MIN_TOKEN_CHARS} characters and not the dev key.")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0,
                                 description="Largest request body accepted (413 above it).")
     request_timeout_s: float = Field(default=600.0, gt=0,
@@ -25,8 +28,9 @@ class GatewaySettings(ServiceSettings):
                            description="Redis holding virtual keys, budgets, rate limits and cost records.")
     redis_max_connections: int = Field(default=64, ge=1,
                                        description="Redis connections per gateway process (calls wait beyond).")
-    price_refresh_s: float = Field(default=5.0, gt=0,
-                                   description="How often the price table is fetched from the registry.")
+    price_refresh_s: float = Field(default=60.0, gt=0,
+                                   description="How often the price watch is re-opened with a full snapshot (a "
+                                               "resync; changes reach the gateway at once on the watch).")
     default_max_tokens: int = Field(default=4096, ge=1,
                                     description="Output bound sent to the engine for budgeted or TPM-limited keys "
                                                 "when the client sets no max_tokens.")
@@ -45,6 +49,23 @@ class GatewaySettings(ServiceSettings):
                                                    "reaped even if its replica looks alive.")
     cost_retention_days: float = Field(default=90.0, ge=0,
                                        description="Cost records older than this are trimmed; 0 keeps them all.")
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_is_a_secret(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        # Anyone who has read the README knows the dev key: it may only open a development stack.
+        key = value.get_secret_value()
+        if not key:
+            raise ValueError("is empty; set a secret (python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        if info.data.get("dev_mode"):
+            return value
+        if key == DEFAULT_ADMIN_KEY:
+            raise ValueError("is unset or the well-known development key, which only a development stack "
+                             "(EXAMLOPS_DEV_MODE=1) accepts; set a secret of your own")
+        if len(key) < MIN_TOKEN_CHARS:
+            raise ValueError(f"is shorter than {MIN_TOKEN_CHARS} characters; outside a development stack "
+                             "(EXAMLOPS_DEV_MODE=1) use a longer secret")
+        return value
 
     @model_validator(mode="after")
     def _heartbeat_within_ttl(self) -> GatewaySettings:

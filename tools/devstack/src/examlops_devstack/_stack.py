@@ -109,6 +109,8 @@ def service_env(name: str, ports: StackPorts, extra: dict[str, str] | None = Non
         "EXAMLOPS_MEDIAGUARD_ADDR": ports.addr("mediaguard"),
         "EXAMLOPS_ENGINE_PROXY_ADDR": ports.addr("engine-proxy"),
         "EXAMLOPS_GATEWAY_URL": ports.gateway_url,
+        # A development stack: the gateway accepts the well-known dev admin key only here.
+        "EXAMLOPS_DEV_MODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
     if name in ports.services:
