@@ -13,7 +13,6 @@ from examlops_gateway.governance import (
     estimate_prompt_tokens,
     new_key,
     parse_key,
-    requested_max_tokens,
     with_max_tokens,
 )
 from examlops_gateway.http import ChatCompletionRequest, CompletionRequest
@@ -55,13 +54,17 @@ def test_prompt_bound_covers_text_and_counts_media_parts() -> None:
     assert 1000 + 64 < bound < 1000 + 64 + 200  # the base64 bytes are not tokens; the image counts 1000
 
 
-def test_requested_max_tokens_and_rewrite() -> None:
+def test_output_limit_is_the_field_vllm_obeys_per_api_and_rewrite() -> None:
     chat = ChatCompletionRequest.model_validate_json(
         b'{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":50,"max_completion_tokens":20}')
-    assert requested_max_tokens(chat) == 20  # max_completion_tokens wins, as in vLLM
+    assert (chat.output_limit, chat.output_limit_sent) == (20, True)  # max_completion_tokens wins, as in vLLM
     body = orjson.loads(with_max_tokens(b'{"model":"m","max_tokens":50,"max_completion_tokens":20}', 7))
     assert body["max_tokens"] == body["max_completion_tokens"] == 7
+    bare = ChatCompletionRequest.model_validate_json(b'{"model":"m","messages":[{"role":"user","content":"x"}]}')
+    assert (bare.output_limit, bare.output_limit_sent) == (0, False)
     comp = CompletionRequest.model_validate_json(b'{"model":"m","prompt":"x"}')
-    assert requested_max_tokens(comp) == 0
+    assert (comp.output_limit, comp.output_limit_sent) == (16, False)  # vLLM's completions default
+    comp = CompletionRequest.model_validate_json(b'{"model":"m","prompt":"x","max_completion_tokens":1,"max_tokens":9}')
+    assert comp.output_limit == 9  # completions have no max_completion_tokens: vLLM ignores it
     assert orjson.loads(with_max_tokens(b'{"model":"m","prompt":"x"}', 9)) == {"model": "m", "prompt": "x",
                                                                                "max_tokens": 9}

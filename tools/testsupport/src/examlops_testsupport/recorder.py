@@ -2,6 +2,11 @@
 
 Used where a test must see what crossed the wire to the engine (the forwarded media URL, the
 structured-output fields an SGLang server gets) — something a real vLLM does not report.
+
+With `to_the_limit=True` it reports usage as a vLLM 0.32 whose model never stops early would: every
+choice of every prompt runs to the output bound vLLM obeys for that API, and the prompt counts one
+token per word of what vLLM renders as prompt text. Budget tests use it to see what a request
+could really cost.
 """
 
 from __future__ import annotations
@@ -12,9 +17,41 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+#: vLLM 0.32's rendered-text part types (renderers/chat_utils.py TEXT_PART_TYPES), and their text field.
+TEXT_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+CONTEXT = 8192  # the modelled max_model_len: a chat without an output bound runs to it
+
+
+def _words(text: Any) -> int:
+    return len(text.split()) if isinstance(text, str) else 0
+
+
+def usage_to_the_limit(path: str, body: dict[str, Any]) -> dict[str, int]:
+    """The usage vLLM 0.32 reports when every sequence runs to the bound it obeys."""
+    if path.endswith("/completions") and "chat" not in path:
+        limit = body.get("max_tokens") or 16  # completions: no max_completion_tokens; null or absent is 16
+        prompt = body.get("prompt")
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        prompt_tokens = sum(len(p) if isinstance(p, list) else _words(p) for p in prompts)
+    else:
+        mct = body.get("max_completion_tokens")
+        limit = mct if mct is not None else body.get("max_tokens") or CONTEXT
+        prompts, prompt_tokens = [None], 0
+        for m in body.get("messages", []):
+            content = m.get("content")
+            parts = content if isinstance(content, list) else [content]
+            for p in parts:
+                if isinstance(p, dict):
+                    p = p.get(TEXT_FIELDS.get(str(p.get("type")), ""), "")
+                prompt_tokens += _words(p)
+    completion = int(limit) * len(prompts) * int(body.get("n") or 1)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
 
 class RecordingServer:
-    def __init__(self) -> None:
+    def __init__(self, to_the_limit: bool = False) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.connections = 0
         recorder = self
@@ -36,6 +73,8 @@ class RecordingServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 recorder.bodies.append(body)
                 usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+                if to_the_limit:
+                    usage = usage_to_the_limit(self.path, body)
                 if body.get("stream"):
                     chunks = [{"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": "recorded"},

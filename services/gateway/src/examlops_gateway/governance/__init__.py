@@ -4,7 +4,7 @@ Every rule that must hold across replicas runs inside a Lua script (lua/) on Red
 package loads them, feeds them named arguments and reads their replies. See GOVERNANCE.md.
 """
 
-from ._budget import Generation, estimate_prompt_tokens, requested_max_tokens, with_max_tokens
+from ._budget import Generation, estimate_prompt_tokens, with_max_tokens
 from ._cost import GROUPS, spend_summary
 from ._errors import Denied, GovernanceUnavailable
 from ._governor import Caller, Governor, Ticket, Usage
@@ -30,6 +30,6 @@ __all__ = [
     "ADMIN_ID", "GROUPS", "ID_LEN", "KEY_INDEX", "MICRO", "MODEL_RE", "Admission", "Caller", "Denied", "Generation",
     "GovernanceUnavailable", "Governor", "KeyLimits", "KeyStore", "Price", "PriceBook", "Reaper", "ReserveArgs",
     "SettleArgs", "Ticket", "Usage", "cost_micro_usd", "digest", "estimate_prompt_tokens", "follow_prices",
-    "load_script", "new_key", "now_ms", "parse_key", "public_row", "redis_keys", "requested_max_tokens",
+    "load_script", "new_key", "now_ms", "parse_key", "public_row", "redis_keys",
     "script_source", "spend_summary", "usd_to_micro", "with_max_tokens",
 ]

@@ -3,11 +3,14 @@
 Before dispatch, reserve.lua checks `spent + reserved + max_cost <= budget` and reserves max_cost in
 the same atomic step, where
 
-    max_cost = ceil((prompt_bound * input_price + n * max_tokens * output_price) / 1e6)   micro-USD
+    max_cost = ceil((prompt_bound * input_price + choices * max_tokens * output_price) / 1e6)   micro-USD
 
-(prices in micro-USD per million tokens). `max_tokens` is what the client asked for, or
-EXAMLOPS_DEFAULT_MAX_TOKENS when it asked for none, lowered to what the remaining budget pays for;
-the gateway sends that number to the engine, so the engine cannot produce more than was reserved.
+(prices in micro-USD per million tokens). `max_tokens` is the bound the engine obeys for the
+request's API (`Generation.output_limit`: chat's `max_completion_tokens` else `max_tokens`, the
+completions API's `max_tokens`, 16 when absent), or EXAMLOPS_DEFAULT_MAX_TOKENS when the request
+leaves it to the engine, lowered to what the remaining budget pays for; the gateway writes that
+number into the body whenever it differs from, or is missing in, what the engine would read, so
+the engine cannot produce more than was reserved.
 After the answer, settle.lua replaces the reservation by the real cost, from the engine's usage.
 
 The prompt bound needs no tokenizer: the request body's length in bytes, minus the bytes of media
@@ -43,9 +46,11 @@ class Generation(Protocol):
     @property
     def stream(self) -> bool: ...
     @property
-    def n(self) -> int | None: ...
+    def choices(self) -> int: ...
     @property
-    def max_tokens(self) -> int | None: ...
+    def output_limit(self) -> int: ...
+    @property
+    def output_limit_sent(self) -> bool: ...
 
 
 def estimate_prompt_tokens(raw: bytes, messages: Sequence[Message] | None, overhead: int, media_tokens: int) -> int:
@@ -62,13 +67,9 @@ def estimate_prompt_tokens(raw: bytes, messages: Sequence[Message] | None, overh
     return max(size, 0) + media * media_tokens + overhead
 
 
-def requested_max_tokens(req: Generation) -> int:
-    """The client's output bound per choice (0: none); max_completion_tokens wins, as in vLLM."""
-    return int(getattr(req, "max_completion_tokens", None) or req.max_tokens or 0)
-
-
 def with_max_tokens(raw: bytes, max_tokens: int) -> bytes:
-    """The body with the output bound the gateway reserved for."""
+    """The body with the output bound the gateway reserved for, in every field an engine may read it
+    from (`max_tokens`; `max_completion_tokens` too when the client set it, as vLLM's chat prefers it)."""
     body = orjson.loads(raw)
     body["max_tokens"] = max_tokens
     if body.get("max_completion_tokens") is not None:

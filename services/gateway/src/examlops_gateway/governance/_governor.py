@@ -19,7 +19,7 @@ from typing import Protocol
 import redis.asyncio as redis
 
 from .._settings import GatewaySettings
-from ._budget import Generation, estimate_prompt_tokens, requested_max_tokens, with_max_tokens
+from ._budget import Generation, estimate_prompt_tokens, with_max_tokens
 from ._cost import OVERRUNS, count
 from ._errors import GovernanceUnavailable
 from ._keys import ADMIN_ID, redis_keys
@@ -135,14 +135,14 @@ class Governor:
         """Reserve the call's maximum cost and rate-limit room; raises Denied or GovernanceUnavailable."""
         model = req.model
         price = self.prices.get(model)
-        n = req.n or 1
+        n = req.choices
         if caller.admin:
             return Ticket(gov=self, caller=caller, res_id="", model=model, body=raw, stream=req.stream, price=price,
                           prompt_bound=0, max_tokens=0, n=n, reserved_micro=0, project="", started=started)
         s = self.settings
         prompt = estimate_prompt_tokens(raw, getattr(req, "messages", None), s.prompt_overhead_tokens,
                                         s.media_part_tokens)
-        asked = requested_max_tokens(req)
+        asked = req.output_limit
         args = ReserveArgs(
             key_hash=caller.key_hash, model=model, res_id=secrets.token_hex(8), replica_id=self.replica_id,
             prompt_tokens=prompt, prompt_cost=prompt * price.input_micro_per_mtok if price else 0,
@@ -154,7 +154,7 @@ class Governor:
             raise GovernanceUnavailable(exc) from None
         adm = Admission.from_reply(reply, caller.key_id, model)
         body = raw
-        if adm.bounded and (asked == 0 or adm.max_tokens < asked):
+        if adm.bounded and (not req.output_limit_sent or adm.max_tokens < asked):
             body = with_max_tokens(raw, adm.max_tokens)
         return Ticket(gov=self, caller=caller, res_id=args.res_id, model=model, body=body, stream=req.stream,
                       price=price, prompt_bound=prompt, max_tokens=adm.max_tokens if adm.bounded else asked, n=n,

@@ -1,10 +1,22 @@
-"""Request models: validate what the gateway relies on, pass everything else through untouched."""
+"""Request models: validate what the gateway relies on, pass everything else through untouched.
+
+Each API says which output bound its engine obeys (`output_limit`), because vLLM 0.32 reads a
+different field per API (openai/{chat_completion,completion}/protocol.py and their serving.py):
+chat takes `max_completion_tokens` when it is set and `max_tokens` otherwise; completions has no
+`max_completion_tokens` (an unknown field, ignored) and takes `max_tokens`, 16 when absent or null.
+Governance reserves from that bound and writes it into the body when it lowers or supplies it.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+#: The largest output bound accepted (a 32-bit int, what engines' samplers hold); larger is a 400.
+MAX_TOKENS_LIMIT: Final = 2**31 - 1
+#: vLLM's `max_tokens` for a completion that sets none (CompletionRequest.max_tokens = 16).
+COMPLETION_DEFAULT_MAX_TOKENS: Final = 16
 
 
 class StreamOptions(BaseModel):
@@ -27,16 +39,45 @@ class GenerationRequest(BaseModel):
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     n: int | None = Field(default=None, ge=1, le=16)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
 
+    @property
+    def output_limit(self) -> int:
+        """The per-choice output bound the engine obeys as the body stands (0: the engine's own)."""
+        return self.max_tokens or 0
+
+    @property
+    def output_limit_sent(self) -> bool:
+        """Whether the body names that bound in the field the engine reads."""
+        return self.max_tokens is not None
+
+    @property
+    def choices(self) -> int:
+        """How many sequences the engine generates, each up to `output_limit` tokens."""
+        return self.n or 1
+
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+
+    @property
+    def output_limit(self) -> int:
+        if self.max_completion_tokens is not None:  # wins over max_tokens, as in vLLM
+            return self.max_completion_tokens
+        return self.max_tokens or 0
+
+    @property
+    def output_limit_sent(self) -> bool:
+        return self.max_completion_tokens is not None or self.max_tokens is not None
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+
+    @property
+    def output_limit(self) -> int:
+        return self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS

@@ -1,0 +1,126 @@
+"""Budgets hold for every request shape (issue 17): the output bound the engine obeys, lists of
+prompts, every text part type, and only known fields reaching the engine.
+
+Real services and Redis; the engine is the recording backend in `to_the_limit` mode, which shows
+the body vLLM would get and reports the usage of a vLLM 0.32 whose model never stops early.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from examlops.registry.v1 import registry_pb2 as reg
+from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, wait_until
+from examlops_testsupport.recorder import RecordingServer
+
+MODEL = "shapes"
+ADMIN = {"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"}
+OVERHEAD = 64  # EXAMLOPS_PROMPT_OVERHEAD_TOKENS
+
+
+@dataclass
+class Shapes:
+    stack: Stack
+    engine: RecordingServer
+    redis: redis.Redis
+
+    def key(self, **limits: Any) -> tuple[str, str]:
+        """A virtual key on MODEL: (id, secret)."""
+        resp = httpx.post(self.stack.gateway_url + "/admin/keys", headers=ADMIN,
+                          json={"tenant": "t", "project": "shapes", "models": [MODEL], **limits})
+        assert resp.status_code == 201, resp.text
+        row = resp.json()
+        return row["id"], row["virtual_key"]
+
+    def call(self, key: str, body: dict[str, Any], path: str = "/v1/completions") -> httpx.Response:
+        raw = json.dumps(body).encode()  # the standard library writes any integer, as a client may
+        return httpx.post(self.stack.gateway_url + path, content=raw, timeout=30,
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+    def spent(self, key_id: str) -> int:
+        """The key's settled spend in micro-USD, once nothing is reserved any more."""
+        record = "{vk:" + key_id + "}:key"
+        wait_until(lambda: int(self.redis.hget(record, "reserved") or 0) == 0, 5)
+        return int(self.redis.hget(record, "spent") or 0)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Shapes]:
+    engine = RecordingServer(to_the_limit=True)
+    fast = {"EXAMLOPS_PRICE_REFRESH_S": "0.2"}
+    with running_stack(tmp_path_factory.mktemp("shapes"), redis_server, fast) as stack:
+        stack.register(MODEL, engine="vllm-server", base_url=engine.url)
+        # 1 micro-USD per prompt token, 2 per completion token
+        stack.registry().SetPrice(reg.SetPriceRequest(price=reg.Price(
+            model=MODEL, input_micro_usd_per_mtok=1_000_000, output_micro_usd_per_mtok=2_000_000), actor="tests"),
+            timeout=5)
+        wait_until(lambda: any(p["model"] == MODEL for p in httpx.get(
+            stack.gateway_url + "/admin/prices", headers=ADMIN).json()["data"]), 10)
+        client = redis.Redis(port=redis_server.port, decode_responses=True)
+        yield Shapes(stack, engine, client)
+        client.close()
+    engine.close()
+
+
+def affordable(budget_micro: int, body: dict[str, Any], choices: int = 1) -> int:
+    """The output bound a fresh budget pays for: (budget - prompt bound x 1) / (choices x 2)."""
+    return (budget_micro - (len(json.dumps(body).encode()) + OVERHEAD)) // (2 * choices)
+
+
+# --- 1. the output bound the engine obeys ------------------------------------------------------
+
+def test_completions_reserve_and_send_max_tokens_not_max_completion_tokens(shapes: Shapes) -> None:
+    """The exploit: max_completion_tokens 1 was reserved, and vLLM's completions ran max_tokens 2000."""
+    key_id, key = shapes.key(budget_usd=0.001)  # 1,000 micro-USD
+    body = {"model": MODEL, "prompt": "hi", "max_completion_tokens": 1, "max_tokens": 2000}
+    resp = shapes.call(key, body)
+    assert resp.status_code == 200, resp.text
+    sent = shapes.engine.bodies[-1]
+    assert sent["max_tokens"] == affordable(1000, body) < 2000  # the reserved bound, in the field vLLM reads
+    assert shapes.spent(key_id) == 1 + 2 * sent["max_tokens"] <= 1000
+
+
+def test_completions_without_max_tokens_get_vllm_default_sent(shapes: Shapes) -> None:
+    key_id, key = shapes.key(budget_usd=1)
+    assert shapes.call(key, {"model": MODEL, "prompt": "hi"}).status_code == 200
+    assert shapes.engine.bodies[-1]["max_tokens"] == 16  # reserved and sent, not left to the engine
+    assert shapes.spent(key_id) == 1 + 2 * 16
+
+
+def test_chat_reserves_max_completion_tokens_which_vllm_prefers(shapes: Shapes) -> None:
+    key_id, key = shapes.key(budget_usd=0.001)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 3, "max_tokens": 2000}
+    assert shapes.call(key, body, "/v1/chat/completions").status_code == 200
+    sent = shapes.engine.bodies[-1]
+    assert (sent["max_completion_tokens"], sent["max_tokens"]) == (3, 2000)  # vLLM runs 3
+    assert shapes.spent(key_id) == 1 + 2 * 3
+    body["max_completion_tokens"] = 5000  # more than the budget pays for: both fields carry the bound
+    assert shapes.call(key, body, "/v1/chat/completions").status_code == 200
+    sent = shapes.engine.bodies[-1]
+    assert sent["max_completion_tokens"] == sent["max_tokens"] < 5000
+    assert shapes.spent(key_id) <= 1000
+
+
+@pytest.mark.parametrize("value", [1.5, 2.0, "5", True, 2**31, 10**30])
+@pytest.mark.parametrize(("path", "field"), [("/v1/completions", "max_tokens"),
+                                              ("/v1/chat/completions", "max_tokens"),
+                                              ("/v1/chat/completions", "max_completion_tokens")])
+def test_non_integer_output_bounds_are_400_naming_the_field(shapes: Shapes, path: str, field: str,
+                                                           value: Any) -> None:
+    body: dict[str, Any] = {"model": MODEL, field: value}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    seen = len(shapes.engine.bodies)
+    for key in (shapes.key(budget_usd=1)[1], DEFAULT_ADMIN_KEY):
+        resp = shapes.call(key, body, path)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == field
+    assert len(shapes.engine.bodies) == seen
