@@ -32,6 +32,7 @@ ACCESS = Access({OPERATORS: None, "gateway": None})
 
 
 async def run(settings: EngineProxySettings) -> None:
+    auth = server_auth(settings, "engine-proxy", ACCESS)  # first: refuse to start accepting no caller
     table = RouteTable.empty()
     pool = EnginePool(settings)
 
@@ -44,7 +45,7 @@ async def run(settings: EngineProxySettings) -> None:
     servicer = EngineProxyServicer(settings, table, pool, mg_grpc.MediaGuardStub(mg_channel))
     server, port, health = build_grpc_server(
         settings.host, settings.port, lambda s: pb_grpc.add_EngineProxyServicer_to_server(servicer, s), [SERVICE],
-        server_auth(settings, "engine-proxy", ACCESS))
+        auth)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
     watcher = asyncio.create_task(watch_routes(settings.registry_addr, table, on_change, token=token))

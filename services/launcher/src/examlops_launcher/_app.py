@@ -30,13 +30,14 @@ ACCESS = Access({OPERATORS: None})
 
 
 async def run(settings: LauncherSettings) -> None:
+    auth = server_auth(settings, "launcher", ACCESS)  # first: refuse to start accepting no caller
     channel = insecure_channel(settings.registry_addr, settings.service_token.get_secret_value())
     http = httpx.AsyncClient()
     adapters = build_adapters(settings)
     servicer = LauncherServicer(settings, reg_grpc.RegistryStub(channel), http, adapters)
     server, port, health = build_grpc_server(
         settings.host, settings.port, lambda s: pb_grpc.add_LauncherServicer_to_server(servicer, s), [SERVICE],
-        server_auth(settings, "launcher", ACCESS))
+        auth)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
 

@@ -26,10 +26,11 @@ ACCESS = Access({OPERATORS: None, "engine-proxy": None})
 
 
 async def run(settings: MediaGuardSettings) -> None:
+    auth = server_auth(settings, "mediaguard", ACCESS)  # first: refuse to start accepting no caller
     servicer = MediaGuardServicer()
     server, port, health = build_grpc_server(
         settings.host, settings.port, lambda s: pb_grpc.add_MediaGuardServicer_to_server(servicer, s), [SERVICE],
-        server_auth(settings, "mediaguard", ACCESS))
+        auth)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
     await serve_until_signal(server, health, [SERVICE], "mediaguard", port)

@@ -15,6 +15,7 @@ from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 from examlops.svc import (
     OPERATORS,
     Access,
+    ServerAuth,
     build_grpc_server,
     configure_logging,
     load_settings,
@@ -55,15 +56,16 @@ async def check_durability(client: redis.Redis, require_aof: bool) -> None:
         log.warning("Redis appendfsync=%s: a power loss may drop the last second of changes", fsync)
 
 
-def build_server(settings: RegistrySettings, client: redis.Redis) -> tuple[grpc.aio.Server, int, object]:
+def build_server(settings: RegistrySettings, client: redis.Redis,
+                 auth: ServerAuth) -> tuple[grpc.aio.Server, int, object]:
     servicer = RegistryServicer(RegistryStore(client))
     return build_grpc_server(
         settings.host, settings.port,
-        lambda s: pb_grpc.add_RegistryServicer_to_server(servicer, s), [SERVICE],
-        server_auth(settings, "registry", ACCESS))
+        lambda s: pb_grpc.add_RegistryServicer_to_server(servicer, s), [SERVICE], auth)
 
 
 async def run(settings: RegistrySettings) -> None:
+    auth = server_auth(settings, "registry", ACCESS)
     # A Redis restart leaves dead pooled connections: retry once connected again, briefly.
     client = redis.Redis.from_url(
         settings.redis_url, decode_responses=True, health_check_interval=30,
@@ -74,7 +76,7 @@ async def run(settings: RegistrySettings) -> None:
     except redis.ConnectionError as exc:
         raise SystemExit(redact(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}")) from None
     await check_durability(client, settings.require_aof)
-    server, port, health = build_server(settings, client)
+    server, port, health = build_server(settings, client, auth)
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
     await serve_until_signal(server, health, [SERVICE], "registry", port, on_stop=client.aclose)

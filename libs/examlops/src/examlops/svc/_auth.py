@@ -79,8 +79,11 @@ def parse_tokens(text: str, source: str) -> dict[str, str]:
     return out
 
 
-def load_accepted_tokens(inline: str, path: str) -> dict[str, str]:
-    """The callers a server accepts, from EXAMLOPS_INTERNAL_TOKENS and/or EXAMLOPS_INTERNAL_TOKENS_FILE."""
+def load_accepted_tokens(inline: str, path: str, required: bool = True) -> dict[str, str]:
+    """The callers a server accepts, from EXAMLOPS_INTERNAL_TOKENS and/or EXAMLOPS_INTERNAL_TOKENS_FILE.
+
+    `required`: an empty list is an error (a server must accept someone).
+    """
     tokens = parse_tokens(inline, TOKENS_VAR)
     if path:
         try:
@@ -91,7 +94,7 @@ def load_accepted_tokens(inline: str, path: str) -> dict[str, str]:
             if name in tokens:
                 raise TokenError(f"{name!r} is listed in both {TOKENS_VAR} and {TOKENS_FILE_VAR}")
             tokens[name] = token
-    if not tokens:
+    if required and not tokens:
         raise TokenError(f"{TOKENS_VAR} or {TOKENS_FILE_VAR} must list the callers this server accepts as "
                          "name=token pairs (`make up` generates them into .run/internal-tokens)")
     return tokens

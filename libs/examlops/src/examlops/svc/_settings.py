@@ -63,15 +63,21 @@ class GrpcServiceSettings(ServiceSettings):
     @model_validator(mode="after")
     def _callers_are_listed(self) -> GrpcServiceSettings:
         try:
-            load_accepted_tokens(self.internal_tokens.get_secret_value(), self.internal_tokens_file)
+            load_accepted_tokens(self.internal_tokens.get_secret_value(), self.internal_tokens_file,
+                                 required=False)
         except TokenError as exc:
             raise ValueError(str(exc)) from None
         return self
 
 
 def server_auth(settings: GrpcServiceSettings, service: str, access: Access) -> ServerAuth:
-    """The authentication of one server, from its (already validated) settings."""
-    tokens = load_accepted_tokens(settings.internal_tokens.get_secret_value(), settings.internal_tokens_file)
+    """The authentication of one server, from its settings; exits 2 naming the variables when the
+    server would accept no caller (settings alone may be built without, e.g. to render job scripts)."""
+    try:
+        tokens = load_accepted_tokens(settings.internal_tokens.get_secret_value(), settings.internal_tokens_file)
+    except TokenError as exc:
+        sys.stderr.write(f"invalid setting {exc}\n")
+        raise SystemExit(2) from None
     return ServerAuth(service, tokens, access)
 
 
