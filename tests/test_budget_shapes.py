@@ -124,3 +124,47 @@ def test_non_integer_output_bounds_are_400_naming_the_field(shapes: Shapes, path
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == field
     assert len(shapes.engine.bodies) == seen
+
+
+# --- 2. every prompt and every choice -------------------------------------------------------------
+
+def test_a_list_of_prompts_is_reserved_for_every_prompt_and_choice(shapes: Shapes) -> None:
+    """The exploit: 200 prompts were reserved as one; the engine ran 200 x max_tokens."""
+    key_id, key = shapes.key(budget_usd=0.01)  # 10,000 micro-USD
+    body = {"model": MODEL, "prompt": ["a"] * 200, "max_tokens": 50}
+    assert shapes.call(key, body).status_code == 200
+    sent = shapes.engine.bodies[-1]["max_tokens"]
+    assert sent == affordable(10_000, body, choices=200) < 50
+    assert shapes.spent(key_id) == 200 + 2 * 200 * sent <= 10_000
+    key_id, key = shapes.key(budget_usd=0.01)
+    ids = {"model": MODEL, "prompt": [[7, 8]] * 100, "n": 2, "max_tokens": 50}  # token-id prompts, n each
+    assert shapes.call(key, ids).status_code == 200
+    sent = shapes.engine.bodies[-1]["max_tokens"]
+    assert sent == affordable(10_000, ids, choices=200) < 50
+    assert shapes.spent(key_id) == 200 + 2 * 200 * sent <= 10_000
+
+
+def test_a_tpm_key_is_charged_for_every_prompt(shapes: Shapes) -> None:
+    key_id, key = shapes.key(tpm=2000)
+    body = {"model": MODEL, "prompt": ["a"] * 200, "max_tokens": 50}
+    assert shapes.call(key, body).status_code == 200
+    bound = len(json.dumps(body).encode()) + OVERHEAD
+    sent = shapes.engine.bodies[-1]["max_tokens"]
+    assert sent == (2000 - bound) // 200  # the bucket holds all 200
+    shapes.spent(key_id)  # settled: the key is charged the tokens of every prompt
+    assert shapes.redis.hmget("{vk:" + key_id + "}:key", "prompt_tokens", "completion_tokens") == [
+        "200", str(200 * sent)]
+    seen = len(shapes.engine.bodies)
+    too_many = shapes.call(shapes.key(tpm=2000)[1], {"model": MODEL, "prompt": ["a"] * 1000})
+    assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "rate_limit_exceeded"
+    assert len(shapes.engine.bodies) == seen
+
+
+@pytest.mark.parametrize("prompt", [["a"] * 1025, [[1]] * 1025, []])
+def test_prompt_count_is_bounded_for_every_key(shapes: Shapes, prompt: list[Any]) -> None:
+    seen = len(shapes.engine.bodies)
+    for key in (shapes.key()[1], DEFAULT_ADMIN_KEY):
+        resp = shapes.call(key, {"model": MODEL, "prompt": prompt})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "prompt" and "EXAMLOPS_MAX_PROMPTS" in resp.json()["error"]["message"]
+    assert len(shapes.engine.bodies) == seen

@@ -21,6 +21,9 @@ class GatewaySettings(ServiceSettings):
                                              f"{MIN_TOKEN_CHARS} characters and not the dev key.")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0,
                                 description="Largest request body accepted (413 above it).")
+    max_prompts: int = Field(default=1024, ge=1,
+                             description="Most prompts in one /v1/completions request (vLLM's default "
+                                         "VLLM_MAX_COMPLETION_PROMPTS); more is a 400.")
     request_timeout_s: float = Field(default=600.0, gt=0,
                                      description="Deadline of one generation through engine-proxy.")
     # --- governance (virtual keys, budgets, rate limits, cost records) -------------------------

@@ -17,7 +17,7 @@ from .._state import GatewayState
 from ..governance import Caller
 from ._body import parse_body
 from ._generate import generate, route
-from ._protocol import GenerationRequest
+from ._protocol import GenerationRequest, check_request
 
 
 async def serve_generation(request: Request, state: GatewayState, caller: Caller, kind: int,
@@ -25,6 +25,7 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
     # auth: `caller` is the CallerDep dependency, resolved by FastAPI before this runs
     started = time.perf_counter()
     raw, req = await parse_body(request, state.settings.max_body_bytes, schema)  # parse
+    check_request(req, caller.admin, state.settings.max_prompts)                 # parse: shapes we bound
     ticket = await state.governor.admit(caller, req, raw, started)               # admit
     # guard: an input guardrail (guardrails/) checks `ticket` here, before any engine call
     # cache: a response-cache lookup (cache/) may answer here, settling `ticket` itself

@@ -13,6 +13,8 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ._errors import OpenAIError
+
 #: The largest output bound accepted (a 32-bit int, what engines' samplers hold); larger is a 400.
 MAX_TOKENS_LIMIT: Final = 2**31 - 1
 #: vLLM's `max_tokens` for a completion that sets none (CompletionRequest.max_tokens = 16).
@@ -59,6 +61,9 @@ class GenerationRequest(BaseModel):
         """How many sequences the engine generates, each up to `output_limit` tokens."""
         return self.n or 1
 
+    def check_shape(self, max_prompts: int) -> None:
+        """Raise a 400 for a shape the gateway cannot bound (see check_request)."""
+
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -81,3 +86,25 @@ class CompletionRequest(GenerationRequest):
     @property
     def output_limit(self) -> int:
         return self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+
+    @property
+    def prompt_count(self) -> int:
+        """A string or one list of token ids is one prompt; a list of either is one prompt each."""
+        p = self.prompt
+        return 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)
+
+    @property
+    def choices(self) -> int:
+        return self.prompt_count * (self.n or 1)  # vLLM runs n sequences for every prompt
+
+    def check_shape(self, max_prompts: int) -> None:
+        count = self.prompt_count
+        if not 1 <= count <= max_prompts:
+            raise OpenAIError(400, f"prompt: a list of 1 to {max_prompts} prompts is accepted, not {count} "
+                                   "(EXAMLOPS_MAX_PROMPTS)", code="invalid_value", param="prompt")
+
+
+def check_request(req: GenerationRequest, admin: bool, max_prompts: int) -> None:
+    """The parse stage's refusals, for every key and before any reservation: a shape the gateway
+    cannot bound (more prompts than `max_prompts`)."""
+    req.check_shape(max_prompts)
