@@ -206,7 +206,7 @@ def price_set(
     input_per_mtok: Annotated[float, typer.Option(help="USD per million prompt tokens.", min=0)],
     output_per_mtok: Annotated[float, typer.Option(help="USD per million completion tokens.", min=0)],
 ) -> None:
-    """Set a model's price (every gateway replica picks it up within EXAMLOPS_PRICE_REFRESH_S)."""
+    """Set a model's price (every gateway replica follows the price table's watch: at once)."""
     price = call("registry", "SetPrice", reg.SetPriceRequest(price=reg.Price(
         model=model, input_micro_usd_per_mtok=_micro(input_per_mtok),
         output_micro_usd_per_mtok=_micro(output_per_mtok)), actor=Ctx.actor()))

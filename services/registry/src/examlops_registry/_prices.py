@@ -1,10 +1,12 @@
 """The gateway's price table and project attribution of resources.
 
   {exa:reg}:prices             HASH  model -> Price (protobuf JSON)
+  {exa:reg}:price_changes      STREAM kind, model, price  (WatchPrices feed; trimmed to about 10k entries)
   {exa:reg}:project_resources  HASH  "<kind>:<name>" -> ProjectResource (protobuf JSON)
 
 Prices are integers in micro-USD per million tokens, so that the gateway's cost arithmetic is exact.
-Each change and its audit event are written in one MULTI/EXEC, like endpoint records. Endpoints
+Each change, its change event and its audit event are written in one MULTI/EXEC, like endpoint
+records, so WatchPrices (a snapshot, then every change) never misses one. Endpoints
 with a project are attributed by RegistryStore.mutate itself (kind serving_endpoint), in the same
 transaction as the endpoint record.
 """
@@ -12,6 +14,7 @@ transaction as the endpoint record.
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import grpc
@@ -22,9 +25,10 @@ from examlops.registry.v1 import registry_pb2 as pb
 from examlops.svc import abort, current_caller
 
 from ._checks import refuse_first
-from ._store import AUDIT, PROJECT_RESOURCES, RegistryStore, now_ms
+from ._store import AUDIT, CHANGES_MAXLEN, PROJECT_RESOURCES, RegistryStore, now_ms, watch_feed
 
 PRICES = "{exa:reg}:prices"
+PRICE_CHANGES = "{exa:reg}:price_changes"
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 RESOURCE_KINDS = ("serving_endpoint", "virtual_key")
 #: 1,000 USD per million tokens: far above any real price, low enough that costs stay exact integers.
@@ -52,6 +56,7 @@ class PriceStore:
         after = _json(out)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(PRICES, price.model, after)
+            pipe.xadd(PRICE_CHANGES, {"kind": "put", "price": after}, maxlen=CHANGES_MAXLEN, approximate=True)
             pipe.xadd(AUDIT, _audit(actor, "price.set", f"price:{price.model}", before or "", after,
                                     out.updated_at_ms))
             await pipe.execute()
@@ -63,6 +68,7 @@ class PriceStore:
             return None
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hdel(PRICES, model)
+            pipe.xadd(PRICE_CHANGES, {"kind": "delete", "price": before}, maxlen=CHANGES_MAXLEN, approximate=True)
             pipe.xadd(AUDIT, _audit(actor, "price.remove", f"price:{model}", before, "", now_ms()))
             await pipe.execute()
         removed = pb.Price()
@@ -72,6 +78,11 @@ class PriceStore:
     async def all(self) -> list[pb.Price]:
         raw = await self.r.hgetall(PRICES)
         return sorted((json_format.Parse(v, pb.Price()) for v in raw.values()), key=lambda p: p.model)
+
+    async def watch(self) -> AsyncIterator[pb.PriceEvent]:
+        """Snapshot, SYNCED, then every change after the snapshot (at-least-once; each event is idempotent)."""
+        async for kind, price in watch_feed(self.r, PRICE_CHANGES, self.all, "price", pb.Price):
+            yield pb.PriceEvent(kind=pb.PriceEvent.Kind.Value("KIND_" + kind), price=price)
 
     async def attribute(self, res: pb.ProjectResource, actor: str) -> pb.ProjectResource:
         out = pb.ProjectResource()
@@ -93,7 +104,7 @@ class PriceStore:
 
 
 class PricesServicerMixin:
-    """SetPrice, ListPrices, RemovePrice, AttributeResource and ListProjectResources."""
+    """SetPrice, ListPrices, RemovePrice, WatchPrices, AttributeResource and ListProjectResources."""
 
     prices: PriceStore
 
@@ -122,6 +133,11 @@ class PricesServicerMixin:
             await abort(context, grpc.StatusCode.NOT_FOUND, "price_not_found",
                         f"no price for model {request.model!r}", "model")
         return pb.RemovePriceResponse(removed=removed)
+
+    async def WatchPrices(self, request: pb.WatchPricesRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PriceEvent]:
+        async for event in self.prices.watch():
+            yield event
 
     async def AttributeResource(self, request: pb.AttributeResourceRequest,
                                 context: grpc.aio.ServicerContext) -> pb.ProjectResource:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import builtins
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as redis
@@ -162,20 +162,27 @@ class RegistryStore:
 
     async def watch(self) -> AsyncIterator[pb.EndpointEvent]:
         """Snapshot, SYNCED, then every change after the snapshot (at-least-once; PUTs are idempotent)."""
-        last = await self.r.xrevrange(CHANGES, count=1)
-        cursor = _s(last[0][0]) if last else "0-0"
-        for ep in await self.list():
-            yield pb.EndpointEvent(kind=pb.EndpointEvent.KIND_SNAPSHOT, endpoint=ep)
-        yield pb.EndpointEvent(kind=pb.EndpointEvent.KIND_SYNCED)
-        while True:
-            batches = await self.r.xread({CHANGES: cursor}, block=10_000, count=256)
-            for _stream, entries in batches or ():
-                for event_id, f in entries:
-                    cursor = _s(event_id)
-                    fields = {_s(k): _s(v) for k, v in f.items()}
-                    kind = (pb.EndpointEvent.KIND_DELETE if fields["kind"] == "delete"
-                            else pb.EndpointEvent.KIND_PUT)
-                    yield pb.EndpointEvent(kind=kind, endpoint=from_json(fields["endpoint"], pb.Endpoint))
+        async for kind, ep in watch_feed(self.r, CHANGES, self.list, "endpoint", pb.Endpoint):
+            yield pb.EndpointEvent(kind=pb.EndpointEvent.Kind.Value("KIND_" + kind), endpoint=ep)
+
+
+async def watch_feed(r: Any, stream: str, records: Callable[[], Awaitable[builtins.list[M]]], field: str,
+                     cls: type[M]) -> AsyncIterator[tuple[str, M | None]]:
+    """A watch's events: (SNAPSHOT, record) for each record, (SYNCED, None), then (PUT or DELETE, record)
+    for every entry of the change `stream` (whose `field` holds the record) appended after the snapshot
+    began, forever. At-least-once: a change made during the snapshot comes again after it."""
+    last = await r.xrevrange(stream, count=1)
+    cursor = _s(last[0][0]) if last else "0-0"
+    for record in await records():
+        yield "SNAPSHOT", record
+    yield "SYNCED", None
+    while True:
+        batches = await r.xread({stream: cursor}, block=10_000, count=256)
+        for _stream, entries in batches or ():
+            for event_id, f in entries:
+                cursor = _s(event_id)
+                fields = {_s(k): _s(v) for k, v in f.items()}
+                yield "DELETE" if fields["kind"] == "delete" else "PUT", from_json(fields[field], cls)
 
 
 def _s(v: str | bytes) -> str:

@@ -1,5 +1,6 @@
-"""Money and prices: integer micro-USD, and the price table followed from the registry by a
-periodic ListPrices (never per request).
+"""Money and prices: integer micro-USD, and the price table followed from the registry's
+WatchPrices stream (a snapshot, then every change, so a price set reaches every replica at once;
+never a registry call per request).
 
 Rule for a model without a price: it is refused (403 `model_not_priced`) for keys with a budget,
 so that no budget is spent on something the gateway cannot count; unbudgeted keys and the admin
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,24 +51,67 @@ class PriceBook:
     def get(self, model: str) -> Price | None:
         return self.prices.get(model)
 
-    def replace(self, listed: list[reg.Price]) -> None:
-        self.prices = {p.model: Price(p.input_micro_usd_per_mtok, p.output_micro_usd_per_mtok) for p in listed}
+    def replace(self, listed: Iterable[reg.Price]) -> None:
+        self.prices = {p.model: _price(p) for p in listed}
         self.synced.set()
 
+    def apply(self, event: reg.PriceEvent) -> None:
+        """A change after the snapshot (at-least-once: applying one twice changes nothing)."""
+        if event.kind == reg.PriceEvent.KIND_DELETE:
+            self.prices.pop(event.price.model, None)
+        elif event.kind == reg.PriceEvent.KIND_PUT:
+            self.prices[event.price.model] = _price(event.price)
 
-async def follow_prices(registry: reg_grpc.RegistryStub, book: PriceBook, interval_s: float) -> None:
-    """Refresh `book` every `interval_s` forever; a failed fetch keeps the last table."""
-    failing = False
+
+def _price(p: reg.Price) -> Price:
+    return Price(p.input_micro_usd_per_mtok, p.output_micro_usd_per_mtok)
+
+
+async def follow_prices(registry: reg_grpc.RegistryStub, book: PriceBook, resync_s: float) -> None:
+    """Keep `book` in step with the registry forever (run it as a task; cancel to stop).
+
+    The watch is re-opened every `resync_s` (its deadline) and starts again with a full snapshot:
+    that is the periodic resync. A broken watch is re-opened with back-off; the book keeps its last
+    table meanwhile. A registry without WatchPrices is polled with ListPrices every `resync_s`.
+    """
+    backoff, failing = 0.05, False
     while True:
+        synced_now = False
         try:
-            resp = await registry.ListPrices(reg.ListPricesRequest(), timeout=max(interval_s, 5.0))
-            book.replace(list(resp.prices))
-            if failing:
-                log.info("price table fetched again (%d prices)", len(book.prices))
-            failing = False
+            await _watch_once(registry, book, resync_s)
         except grpc.aio.AioRpcError as exc:
-            if not failing:
-                log.warning("cannot fetch prices from the registry (%s); keeping %d prices",
-                            exc.code().name, len(book.prices))
-            failing = True
-        await asyncio.sleep(interval_s if not failing else min(interval_s, 1.0))
+            code = exc.code()
+            synced_now = code == grpc.StatusCode.DEADLINE_EXCEEDED and book.synced.is_set()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                synced_now = await _poll_once(registry, book, resync_s)
+                await asyncio.sleep(resync_s)
+            elif not synced_now and not failing:
+                log.warning("price watch broke (%s); keeping %d prices, retrying", code.name, len(book.prices))
+        if synced_now:  # the deadline ended a healthy watch: re-open it at once, with a snapshot
+            if failing:
+                log.info("price table followed again (%d prices)", len(book.prices))
+            backoff, failing = 0.05, False
+            continue
+        failing = True
+        await asyncio.sleep(backoff * (1 + random.random() / 2))
+        backoff = min(backoff * 2, 2.0)
+
+
+async def _watch_once(registry: reg_grpc.RegistryStub, book: PriceBook, deadline_s: float) -> None:
+    fresh: list[reg.Price] | None = []
+    async for event in registry.WatchPrices(reg.WatchPricesRequest(), timeout=deadline_s):
+        if fresh is not None and event.kind == reg.PriceEvent.KIND_SNAPSHOT:
+            fresh.append(event.price)
+        elif fresh is not None and event.kind == reg.PriceEvent.KIND_SYNCED:
+            book.replace(fresh)
+            fresh = None
+        elif fresh is None:
+            book.apply(event)
+
+
+async def _poll_once(registry: reg_grpc.RegistryStub, book: PriceBook, timeout_s: float) -> bool:
+    try:
+        book.replace((await registry.ListPrices(reg.ListPricesRequest(), timeout=max(timeout_s, 5.0))).prices)
+    except grpc.aio.AioRpcError:
+        return False
+    return True

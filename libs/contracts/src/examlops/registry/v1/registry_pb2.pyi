@@ -291,6 +291,30 @@ class RemovePriceResponse(_message.Message):
     removed: Price
     def __init__(self, removed: _Optional[_Union[Price, _Mapping]] = ...) -> None: ...
 
+class WatchPricesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PriceEvent(_message.Message):
+    __slots__ = ("kind", "price")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[PriceEvent.Kind]
+        KIND_SNAPSHOT: _ClassVar[PriceEvent.Kind]
+        KIND_SYNCED: _ClassVar[PriceEvent.Kind]
+        KIND_PUT: _ClassVar[PriceEvent.Kind]
+        KIND_DELETE: _ClassVar[PriceEvent.Kind]
+    KIND_UNSPECIFIED: PriceEvent.Kind
+    KIND_SNAPSHOT: PriceEvent.Kind
+    KIND_SYNCED: PriceEvent.Kind
+    KIND_PUT: PriceEvent.Kind
+    KIND_DELETE: PriceEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PRICE_FIELD_NUMBER: _ClassVar[int]
+    kind: PriceEvent.Kind
+    price: Price
+    def __init__(self, kind: _Optional[_Union[PriceEvent.Kind, str]] = ..., price: _Optional[_Union[Price, _Mapping]] = ...) -> None: ...
+
 class ProjectResource(_message.Message):
     __slots__ = ("project", "kind", "name", "created_at_ms")
     PROJECT_FIELD_NUMBER: _ClassVar[int]

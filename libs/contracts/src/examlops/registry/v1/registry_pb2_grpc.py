@@ -100,6 +100,11 @@ class RegistryStub:
                 request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceRequest.SerializeToString,
                 response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceResponse.FromString,
                 _registered_method=True)
+        self.WatchPrices = channel.unary_stream(
+                '/examlops.registry.v1.Registry/WatchPrices',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.WatchPricesRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.PriceEvent.FromString,
+                _registered_method=True)
         self.AttributeResource = channel.unary_unary(
                 '/examlops.registry.v1.Registry/AttributeResource',
                 request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.AttributeResourceRequest.SerializeToString,
@@ -196,6 +201,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPrices(self, request, context):
+        """The price table, then every change, so a price set reaches every gateway replica at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AttributeResource(self, request, context):
         """Project attribution. Endpoints with a project are recorded by the registry itself
         (kind serving_endpoint); other services attribute their own resources (virtual keys).
@@ -277,6 +289,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.RemovePrice,
                     request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceRequest.FromString,
                     response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceResponse.SerializeToString,
+            ),
+            'WatchPrices': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPrices,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.WatchPricesRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.PriceEvent.SerializeToString,
             ),
             'AttributeResource': grpc.unary_unary_rpc_method_handler(
                     servicer.AttributeResource,
@@ -640,6 +657,33 @@ class Registry:
             '/examlops.registry.v1.Registry/RemovePrice',
             examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceRequest.SerializeToString,
             examlops_dot_registry_dot_v1_dot_registry__pb2.RemovePriceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPrices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/WatchPrices',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.WatchPricesRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.PriceEvent.FromString,
             options,
             channel_credentials,
             insecure,
