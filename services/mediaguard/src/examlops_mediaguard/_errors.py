@@ -24,6 +24,9 @@ Every code starts with ``media_`` and names the rule that was broken, not the gu
 ``media_ip_literal_not_allowed``   The host is an IP address, in any spelling.
 ``media_port_not_allowed``         A port other than the scheme's default.
 ``media_domain_not_allowed``       The host is not an allowed domain nor a subdomain of one.
+``media_private_address``          The host resolves to a loopback, private, link-local or other
+                                   non-public address (or DNS did not answer in time), and the
+                                   policy does not set ``allow_private_addresses``.
 ``media_path_not_allowed``         A file:// path outside the local root, the root itself, a
                                    missing or non-regular file, or a percent-encoded traversal.
 =================================  =================================================================
@@ -47,6 +50,7 @@ USERINFO_NOT_ALLOWED: Final = "media_userinfo_not_allowed"
 IP_LITERAL_NOT_ALLOWED: Final = "media_ip_literal_not_allowed"
 PORT_NOT_ALLOWED: Final = "media_port_not_allowed"
 DOMAIN_NOT_ALLOWED: Final = "media_domain_not_allowed"
+PRIVATE_ADDRESS: Final = "media_private_address"
 PATH_NOT_ALLOWED: Final = "media_path_not_allowed"
 
 #: Every code a `MediaRejected` can carry.
@@ -64,6 +68,7 @@ REJECTION_CODES: frozenset[str] = frozenset(
         IP_LITERAL_NOT_ALLOWED,
         PORT_NOT_ALLOWED,
         DOMAIN_NOT_ALLOWED,
+        PRIVATE_ADDRESS,
         PATH_NOT_ALLOWED,
     }
 )

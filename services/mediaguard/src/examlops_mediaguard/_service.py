@@ -12,6 +12,7 @@ from examlops.mediaguard.v1 import mediaguard_pb2 as pb
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as pb_grpc
 from examlops.svc import abort
 
+from ._addresses import AddressCheck
 from ._validate import MediaRejected, strip_media, validate_messages
 
 REJECTIONS = Counter("examlops_mediaguard_rejections_total", "Media parts rejected, by rule and endpoint.",
@@ -23,6 +24,9 @@ DROPPED = Counter("examlops_mediaguard_parts_dropped_total",
 
 
 class MediaGuardServicer(pb_grpc.MediaGuardServicer):
+    def __init__(self, addresses: AddressCheck | None = None) -> None:
+        self.addresses = addresses or AddressCheck()
+
     async def Validate(self, request: pb.ValidateRequest, context: grpc.aio.ServicerContext) -> pb.ValidateResponse:
         try:
             messages = orjson.loads(request.messages_json)
@@ -40,6 +44,8 @@ class MediaGuardServicer(pb_grpc.MediaGuardServicer):
             return pb.ValidateResponse(messages_json=orjson.dumps(stripped), media_parts_dropped=dropped)
         try:
             result = validate_messages(messages, policy)
+            if not policy.allow_private_addresses:
+                await self.addresses.check(result.messages)
         except MediaRejected as exc:
             REJECTIONS.labels(exc.code, request.endpoint).inc()
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc.code, exc.message, exc.param)

@@ -51,6 +51,8 @@ class MultimodalPolicy(BaseModel):
     (`limit_mm_per_prompt`, an unbounded count is a denial-of-service surface) and may only
     bound the media kinds it serves; allow-list entries are bare host names (an empty list
     denies all remote media); `allowed_local_media_path` is an absolute directory other than /.
+    Mediaguard refuses a remote media host that resolves to a loopback, private or link-local
+    address unless `allow_private_addresses` is set (an endpoint fetching from an internal host).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -61,6 +63,7 @@ class MultimodalPolicy(BaseModel):
     allowed_local_media_path: str | None = None
     max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, gt=0)
     mm_processor_cache_gb: float | None = Field(default=None, ge=0)
+    allow_private_addresses: bool = False
 
     @property
     def media_kinds(self) -> frozenset[str]:
