@@ -168,3 +168,39 @@ def test_prompt_count_is_bounded_for_every_key(shapes: Shapes, prompt: list[Any]
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"] == "prompt" and "EXAMLOPS_MAX_PROMPTS" in resp.json()["error"]["message"]
     assert len(shapes.engine.bodies) == seen
+
+
+# --- 3. every part vLLM renders as text counts as text ------------------------------------------
+
+TEXT_PARTS = [{"type": "input_text", "text": ""}, {"type": "output_text", "text": ""},
+              {"type": "refusal", "refusal": ""}, {"type": "thinking", "thinking": ""}]
+
+
+@pytest.mark.parametrize("part", TEXT_PARTS, ids=lambda p: p["type"])
+def test_text_parts_of_every_type_are_bounded_by_their_bytes(shapes: Shapes, part: dict[str, str]) -> None:
+    """The exploit: a 50,000-word input_text part was bounded as one media part (4,096 tokens)."""
+    field = next(k for k in part if k != "type")
+    big = {**part, field: "w " * 50_000}
+    body = {"model": MODEL, "max_tokens": 10,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "read"}, big]}]}
+    seen = len(shapes.engine.bodies)
+    _, small = shapes.key(budget_usd=0.02)  # 20,000 micro-USD: less than the part's 100,000 bytes
+    denied = shapes.call(small, body, "/v1/chat/completions")
+    assert denied.status_code == 429 and denied.json()["error"]["code"] == "budget_exceeded", denied.text
+    assert len(shapes.engine.bodies) == seen
+    key_id, key = shapes.key(budget_usd=1)
+    assert shapes.call(key, body, "/v1/chat/completions").status_code == 200
+    assert shapes.spent(key_id) == 50_001 + 2 * 10  # the engine rendered every word as prompt text
+
+
+def test_unknown_part_types_are_400_naming_the_part(shapes: Shapes) -> None:
+    parts = [{"type": "text", "text": "hi"}, {"type": "input_text", "text": "fine"}, {"type": "input_foo", "text": "x"}]
+    body = {"model": MODEL, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": parts}]}
+    seen = len(shapes.engine.bodies)
+    for key in (shapes.key(budget_usd=1)[1], DEFAULT_ADMIN_KEY):
+        resp = shapes.call(key, body, "/v1/chat/completions")
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["param"], err["code"]) == ("messages[1].content[2]", "media_type_not_allowed")
+        assert "input_foo" in err["message"]
+    assert len(shapes.engine.bodies) == seen

@@ -10,6 +10,12 @@ from __future__ import annotations
 from typing import Any, Final
 
 TEXT_PART_TYPES: Final = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"})
+#: The other part types vLLM 0.32 parses (MM_PARSER_MAP of renderers/chat_utils.py): media, whose
+#: prompt tokens are not their bytes. Every other type is unknown to the engine.
+MEDIA_PART_TYPES: Final = frozenset({
+    "image_url", "input_image", "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "image_pil",
+    "audio_url", "input_audio", "video_url",
+})
 #: Fields an engine may read media from, whatever the part's declared type.
 MEDIA_FIELDS: Final = frozenset({
     "image_url", "input_audio", "audio_url", "video_url", "image_embeds", "audio_embeds", "video_embeds",

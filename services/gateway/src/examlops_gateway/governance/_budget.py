@@ -14,7 +14,9 @@ the engine cannot produce more than was reserved.
 After the answer, settle.lua replaces the reservation by the real cost, from the engine's usage.
 
 The prompt bound needs no tokenizer: the request body's length in bytes, minus the bytes of media
-parts, plus EXAMLOPS_MEDIA_PART_TOKENS per media part and EXAMLOPS_PROMPT_OVERHEAD_TOKENS for the
+parts (the types vLLM 0.32 parses as media, examlops.mediaparts.MEDIA_PART_TYPES; every part it renders
+as text, input_text, output_text, refusal and thinking included, counts by its bytes; unknown types
+are refused at parse), plus EXAMLOPS_MEDIA_PART_TOKENS per media part and EXAMLOPS_PROMPT_OVERHEAD_TOKENS for the
 chat template. Byte-level BPE and byte-fallback SentencePiece vocabularies (GPT, Llama, Qwen,
 Mistral, SmolLM) never make more tokens than bytes, and JSON only adds bytes around the text, so
 for text this is an upper bound (typically 3-4x the real count; the settle charges the real one).
@@ -31,6 +33,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import orjson
+
+from examlops.mediaparts import MEDIA_PART_TYPES
 
 
 class Message(Protocol):
@@ -54,14 +58,15 @@ class Generation(Protocol):
 
 
 def estimate_prompt_tokens(raw: bytes, messages: Sequence[Message] | None, overhead: int, media_tokens: int) -> int:
-    """An upper bound of the prompt's tokens (see the module docstring)."""
+    """An upper bound of the prompt's tokens (see the module docstring). Only parts of a media type
+    count flat; every other part (text, input_text, refusal, thinking, ...) counts by its bytes."""
     size = len(raw)
     media = 0
     for m in messages or ():
         content = m.content
         if isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and part.get("type", "text") != "text":
+                if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
                     size -= len(orjson.dumps(part))
                     media += 1
     return max(size, 0) + media * media_tokens + overhead

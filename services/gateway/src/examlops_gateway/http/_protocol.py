@@ -13,7 +13,12 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from examlops.mediaparts import MEDIA_PART_TYPES, TEXT_PART_TYPES
+
 from ._errors import OpenAIError
+
+#: Every content part type vLLM 0.32 parses; another type is refused before any reservation.
+KNOWN_PART_TYPES: Final = TEXT_PART_TYPES | MEDIA_PART_TYPES
 
 #: The largest output bound accepted (a 32-bit int, what engines' samplers hold); larger is a 400.
 MAX_TOKENS_LIMIT: Final = 2**31 - 1
@@ -29,7 +34,8 @@ class StreamOptions(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    # Parts are judged by mediaguard (engine-proxy calls it), which names the offending part.
+    # Part types are checked at parse (ChatCompletionRequest.check_shape); media parts are judged by
+    # mediaguard (engine-proxy calls it), which names the offending part.
     content: str | list[Any] | None = None
 
 
@@ -79,6 +85,17 @@ class ChatCompletionRequest(GenerationRequest):
     def output_limit_sent(self) -> bool:
         return self.max_completion_tokens is not None or self.max_tokens is not None
 
+    def check_shape(self, max_prompts: int) -> None:
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if isinstance(kind, str) and kind not in KNOWN_PART_TYPES:
+                        # mediaguard's code for the same refusal, so a client meets one vocabulary
+                        raise OpenAIError(400, f"unknown content part type {kind[:40]!r}: the engine "
+                                               f"accepts {', '.join(sorted(KNOWN_PART_TYPES))}",
+                                          code="media_type_not_allowed", param=f"messages[{i}].content[{j}]")
+
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -106,5 +123,5 @@ class CompletionRequest(GenerationRequest):
 
 def check_request(req: GenerationRequest, admin: bool, max_prompts: int) -> None:
     """The parse stage's refusals, for every key and before any reservation: a shape the gateway
-    cannot bound (more prompts than `max_prompts`)."""
+    cannot bound (more prompts than `max_prompts`, a content part of a type the engine does not know)."""
     req.check_shape(max_prompts)
