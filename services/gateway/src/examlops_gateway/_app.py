@@ -25,7 +25,7 @@ from ._health import RedisPing
 from ._health import router as health_router
 from ._settings import GatewaySettings
 from ._state import GatewayState
-from .governance import Governor, PriceBook, Reaper, follow_prices
+from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices
 from .http import admin_router, install_error_handlers, install_openapi, openai_router
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             channel=channel, admin_key=settings.admin_key.get_secret_value().encode(),
             registry=registry, registry_channel=registry_channel, redis=client, prices=prices,
             governor=Governor(settings, client, prices, replica_id), replica_id=replica_id,
-            redis_ping=RedisPing(settings.redis_url))
+            redis_ping=RedisPing(settings.redis_url),
+            key_check=KeyCheck(client, settings.key_check_ttl_s, settings.key_check_cache_size))
         tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes, token=token)),
                  asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
                  asyncio.create_task(reaper.run())]

@@ -26,7 +26,17 @@ class GatewaySettings(ServiceSettings):
                                          "VLLM_MAX_COMPLETION_PROMPTS); more is a 400.")
     request_timeout_s: float = Field(default=600.0, gt=0,
                                      description="Deadline of one generation through engine-proxy.")
+    max_messages: int = Field(default=2048, ge=1,
+                              description="Most messages in one chat request (400 above it).")
+    max_parts_per_message: int = Field(default=256, ge=1,
+                                       description="Most content parts in one message (400 above it).")
     # --- governance (virtual keys, budgets, rate limits, cost records) -------------------------
+    key_check_ttl_s: float = Field(default=2.0, ge=0,
+                                   description="How long a virtual key's validity, checked in Redis before its "
+                                               "request body is read, is kept in process (reserve.lua still "
+                                               "judges every call).")
+    key_check_cache_size: int = Field(default=10_000, ge=1,
+                                      description="Most valid, and most invalid, keys kept by that check.")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0",
                            description="Redis holding virtual keys, budgets, rate limits and cost records.")
     redis_max_connections: int = Field(default=64, ge=1,

@@ -13,7 +13,7 @@ from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable
 
 from ._settings import GatewaySettings
-from .governance import Governor, PriceBook
+from .governance import Governor, KeyCheck, PriceBook
 
 if TYPE_CHECKING:  # _health's routes read this state
     from ._health import RedisPing
@@ -33,3 +33,4 @@ class GatewayState:
     governor: Governor
     replica_id: str
     redis_ping: RedisPing        # readiness: does Redis answer (its own connection)
+    key_check: KeyCheck          # a virtual key is valid before its body is read

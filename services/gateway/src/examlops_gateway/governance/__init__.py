@@ -8,6 +8,7 @@ from ._budget import Generation, estimate_prompt_tokens, with_max_tokens
 from ._cost import GROUPS, spend_summary
 from ._errors import Denied, GovernanceUnavailable
 from ._governor import Caller, Governor, Ticket, Usage
+from ._keycheck import KeyCheck
 from ._keys import (
                     ADMIN_ID,
                     ID_LEN,
@@ -28,7 +29,8 @@ from ._scripts import Admission, ReserveArgs, SettleArgs, load_script, script_so
 
 __all__ = [
     "ADMIN_ID", "GROUPS", "ID_LEN", "KEY_INDEX", "MICRO", "MODEL_RE", "Admission", "Caller", "Denied", "Generation",
-    "GovernanceUnavailable", "Governor", "KeyLimits", "KeyStore", "Price", "PriceBook", "Reaper", "ReserveArgs",
+    "GovernanceUnavailable", "Governor", "KeyCheck", "KeyLimits", "KeyStore", "Price", "PriceBook", "Reaper",
+    "ReserveArgs",
     "SettleArgs", "Ticket", "Usage", "cost_micro_usd", "digest", "estimate_prompt_tokens", "follow_prices",
     "load_script", "new_key", "now_ms", "parse_key", "public_row", "redis_keys",
     "script_source", "spend_summary", "usd_to_micro", "with_max_tokens",

@@ -1,9 +1,10 @@
 """The request path of a generation, in one function: its stages in hot-path order.
 
-Each stage lives in its wing: auth (_deps.caller, resolved by FastAPI before the handler runs),
-parse (_body), admit (governance: key, allow-list, rate limits, budget reservation, one Redis
-round trip), route and generate (_generate), settle (governance.Ticket, called by the response
-when the answer ends, however it ends: one Redis round trip).
+Each stage lives in its wing: auth (_deps.caller, resolved by FastAPI before the handler runs,
+then governance.KeyCheck: a virtual key must exist and be valid before its body is read), parse
+(_body), admit (governance: key, allow-list, rate limits, budget reservation, one Redis round trip),
+route and generate (_generate), settle (governance.Ticket, called by the response when the answer
+ends, however it ends: one Redis round trip).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
                            schema: type[GenerationRequest]) -> Response:
     # auth: `caller` is the CallerDep dependency, resolved by FastAPI before this runs
     started = time.perf_counter()
-    raw, req = await parse_body(request, state.settings.max_body_bytes, schema)  # parse
+    await state.key_check.check(caller)                                          # auth: before the body
+    s = state.settings
+    raw, req = await parse_body(request, s.max_body_bytes, schema,               # parse
+                                max_messages=s.max_messages, max_parts=s.max_parts_per_message)
     check_request(req, caller.admin, state.settings.max_prompts)                 # parse: shapes we bound
     ticket = await state.governor.admit(caller, req, raw, started)               # admit
     # guard: an input guardrail (guardrails/) checks `ticket` here, before any engine call
