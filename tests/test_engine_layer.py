@@ -91,7 +91,8 @@ def test_sglang_engine_passes_structured_output_through(stack: Stack) -> None:
         first, second, third = server.bodies
         assert first["regex"] == "[a-z]+" and first["ebnf"] == "root ::= 'x'" and "guided_regex" not in first
         assert json.loads(second["json_schema"]) == schema and "structured_outputs" not in second
-        assert third["response_format"] == rf and third["stream_options"] == {"include_usage": True}
+        assert third["response_format"] == rf
+        assert third["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "recorded"
         assert all(c.usage is None for c in streamed)  # the client did not ask for the usage chunk
     finally:

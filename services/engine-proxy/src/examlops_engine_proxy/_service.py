@@ -70,9 +70,12 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
                     log.warning("%s", notes[-1])
             body["model"] = ep.served_model_name or ep.name
             stream = bool(body.get("stream"))
-            opts = body.get("stream_options")
+            opts = body.get("stream_options") if stream else None
+            opts = opts if isinstance(opts, dict) else {}
+            usage_chunk = bool(opts.get("include_usage"))
+            usage_stats = usage_chunk and bool(opts.get("continuous_usage_stats"))
             gen = Generation(kind=request.kind, body=body, stream=stream, endpoint=ep.name,
-                             want_usage_chunk=stream and isinstance(opts, dict) and bool(opts.get("include_usage")))
+                             want_usage_chunk=usage_chunk, want_usage_stats=usage_stats)
             first = True
             async for chunk in entry.engine.generate(gen):
                 if first:

@@ -15,6 +15,7 @@ class Generation:
     body: dict[str, Any]           # the OpenAI request; "model" already the served name
     stream: bool
     want_usage_chunk: bool         # the client asked for stream_options.include_usage
+    want_usage_stats: bool         # ... and for continuous_usage_stats (usage on every chunk)
     endpoint: str
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -27,7 +28,8 @@ class Engine(Protocol):
     name: str
 
     def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
-        """Yield chunks; the last has final=True and the usage when the engine reported it."""
+        """Yield chunks; the last has final=True and the usage when the engine reported it. A stream's
+        chunks carry the usage delivered so far (what a cut stream is billed) when the engine reports it."""
         ...
 
     async def aclose(self) -> None:

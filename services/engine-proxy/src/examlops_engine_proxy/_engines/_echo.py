@@ -80,8 +80,12 @@ class EchoEngine:
                 choice = {"index": 0, "delta": delta, "finish_reason": finish if last else None, "logprobs": None}
             else:
                 choice = {"index": 0, "text": piece, "finish_reason": finish if last else None, "logprobs": None}
-            yield pb.GenerateChunk(data=orjson.dumps(
-                {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [choice]}))
+            obj = {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [choice]}
+            so_far = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1, "total_tokens": prompt_tokens + i + 1}
+            if gen.want_usage_stats:
+                obj["usage"] = so_far
+            yield pb.GenerateChunk(data=orjson.dumps(obj), usage=pb.Usage(prompt_tokens=prompt_tokens,
+                                                                          completion_tokens=i + 1))
         tail = b""
         if gen.want_usage_chunk:
             tail = orjson.dumps({"id": rid, "object": kind, "created": created, "model": self.model,

@@ -60,7 +60,7 @@ class InprocEngine:
         if not gen.stream:
             yield pb.GenerateChunk(data=orjson.dumps({**obj, "usage": usage}), final=True, usage=usage_pb)
             return
-        yield pb.GenerateChunk(data=orjson.dumps(obj))
+        yield pb.GenerateChunk(data=orjson.dumps(obj), usage=usage_pb)
         tail = orjson.dumps({**obj, "choices": [], "usage": usage}) if gen.want_usage_chunk else b""
         yield pb.GenerateChunk(data=tail, final=True, usage=usage_pb)
 

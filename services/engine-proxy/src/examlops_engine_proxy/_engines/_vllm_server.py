@@ -1,7 +1,12 @@
 """vllm-server engine: a client of `vllm serve`'s OpenAI API (one pooled aiohttp session per endpoint).
 
 Also serves any OpenAI-compatible server (SGLang's subclass adds its own parameters). Stream
-chunks are forwarded as the raw bytes the server sent; each is parsed once, only to capture usage.
+chunks are forwarded as the raw bytes the server sent; each is parsed once, to capture usage.
+
+Streams ask for continuous usage (`stream_options: {include_usage, continuous_usage_stats}`, vLLM
+and SGLang), so every chunk carries the tokens delivered so far: a stream cut by the client or by an
+engine failure is billed what was delivered, not guessed. The usage fields the client did not ask
+for are stripped from what it receives (that chunk is re-serialised), so it sees what it asked for.
 aiohttp rather than httpx: measured on this path, httpx cost ~1 ms of CPU per request in pool
 bookkeeping and cancellation checks, aiohttp ~0.2 ms (bench/README.md).
 """
@@ -28,6 +33,27 @@ def _usage_pb(usage: Any) -> pb.Usage | None:
         return None
     return pb.Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
                     completion_tokens=int(usage.get("completion_tokens") or 0))
+
+
+class RunningUsage:
+    """The usage delivered so far, from vLLM's continuous usage stats, which count per choice: a
+    chunk of choice `index` carries its prompt's tokens and that choice's completion tokens so far
+    (`index = prompt_index * n + choice`, for a list of prompts on /v1/completions)."""
+
+    __slots__ = ("completion", "n", "prompt")
+
+    def __init__(self, n: Any) -> None:
+        self.n = n if isinstance(n, int) and n > 1 else 1
+        self.prompt: dict[int, int] = {}
+        self.completion: dict[int, int] = {}
+
+    def add(self, usage: dict[str, Any], choices: list[Any]) -> pb.Usage:
+        """The running total after a chunk of one choice that carried `usage`."""
+        index = choices[0].get("index", 0) if isinstance(choices[0], dict) else 0
+        index = index if isinstance(index, int) else 0
+        self.prompt[index // self.n] = int(usage.get("prompt_tokens") or 0)
+        self.completion[index] = int(usage.get("completion_tokens") or 0)
+        return pb.Usage(prompt_tokens=sum(self.prompt.values()), completion_tokens=sum(self.completion.values()))
 
 
 def _engine_message(body: bytes) -> str:
@@ -68,11 +94,11 @@ class VllmServerEngine:
         return self._session
 
     def prepare(self, gen: Generation) -> dict[str, Any]:
-        """The body sent to the server: usage is always asked for on streams (cost needs it)."""
+        """The body sent to the server: streams always ask for continuous usage (cost needs it)."""
         body = gen.body
         if gen.stream:
             opts = dict(body.get("stream_options") or {})
-            opts["include_usage"] = True
+            opts["include_usage"] = opts["continuous_usage_stats"] = True
             body = {**body, "stream_options": opts}
         return body
 
@@ -93,16 +119,16 @@ class VllmServerEngine:
                     raise AllBackendsFailed(self.endpoint, "server answered with invalid JSON") from None
                 yield pb.GenerateChunk(data=raw, final=True, usage=usage)
                 return
-            async for chunk in self._stream(response, gen.want_usage_chunk):
+            async for chunk in self._stream(response, gen):
                 yield chunk
         except _NET_ERRORS as exc:
             raise AllBackendsFailed(self.endpoint, f"{type(exc).__name__} while reading the answer: {exc}") from None
         finally:
             response.release()
 
-    async def _stream(self, response: aiohttp.ClientResponse,
-                      want_usage_chunk: bool) -> AsyncIterator[pb.GenerateChunk]:
-        usage: pb.Usage | None = None
+    async def _stream(self, response: aiohttp.ClientResponse, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+        usage: pb.Usage | None = None  # the delivered usage so far; the final usage chunk's at the end
+        running = RunningUsage(gen.body.get("n"))
         done = False
         # Read to the end of the body even after [DONE], so the connection goes back to the pool.
         async for line in response.content:
@@ -118,11 +144,18 @@ class VllmServerEngine:
                 raise AllBackendsFailed(self.endpoint, f"invalid stream chunk {payload[:200]!r}") from None
             if isinstance(obj, dict) and obj.get("error"):
                 raise AllBackendsFailed(self.endpoint, f"engine error mid-stream: {_engine_message(payload)}")
-            if isinstance(obj, dict) and obj.get("usage"):
-                usage = _usage_pb(obj["usage"])
-                if not obj.get("choices") and not want_usage_chunk:
-                    continue
-            yield pb.GenerateChunk(data=payload)
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                choices = obj.get("choices")
+                if not choices:  # the final usage chunk: the whole call's usage
+                    usage = _usage_pb(obj["usage"])
+                    if not gen.want_usage_chunk:
+                        continue
+                else:
+                    usage = running.add(obj["usage"], choices)
+                    if not gen.want_usage_stats:
+                        del obj["usage"]
+                        payload = orjson.dumps(obj)
+            yield pb.GenerateChunk(data=payload, usage=usage)
         yield pb.GenerateChunk(final=True, usage=usage)
 
     def _raise_for(self, status: int, raw: bytes) -> None:

@@ -3,7 +3,10 @@
 Governor.admit(): reserve.lua checks the virtual key (check_key), the allow-list, the budget and the
 rate limits and reserves, atomically. The admin key skips it (every model, no budget, no limit).
 Ticket.settle(): settle.lua charges the real cost and appends the cost record, exactly once per
-call, whether the call ends normally, fails in the engine or loses its client.
+call, whether the call ends normally, fails in the engine or loses its client; a settle Redis does
+not answer is retried in the background while the process lives (settle.lua is idempotent per
+reservation). Ticket.note_progress(): a long stream notes what it delivered in its reservation
+(progress.lua), which the reaper charges if this replica dies before settling.
 Governor.allowed_models(): key_models.lua, the same key check on the same clock, for /v1/models.
 """
 
@@ -13,8 +16,9 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as redis
 
@@ -24,9 +28,12 @@ from ._cost import OVERRUNS, count
 from ._errors import GovernanceUnavailable
 from ._keys import ADMIN_ID, redis_keys
 from ._prices import Price, PriceBook, cost_micro_usd
-from ._scripts import Admission, ReserveArgs, SettleArgs, allowed_models, load_script
+from ._scripts import Admission, ProgressArgs, ReserveArgs, SettleArgs, allowed_models, load_script
 
 log = logging.getLogger(__name__)
+
+SETTLE_RETRY_FIRST_S = 0.05   # a settle Redis did not answer is retried after this, doubling ...
+SETTLE_RETRY_MAX_S = 2.0      # ... up to this, while the process lives
 
 
 class Usage(Protocol):
@@ -71,52 +78,97 @@ class Ticket:
     def first_chunk(self) -> None:
         self.ttft_s = time.perf_counter() - self.started
 
-    async def settle(self, status: str, usage: Usage | None = None, produced: int | None = 0) -> None:
-        """Charge the call once. Without the engine's usage: `produced` chunks were forwarded (each at
-        least one token), or None for a complete answer of unknown length (charged at its bound)."""
+    async def settle(self, status: str, usage: Usage | None = None, delivered: int | None = 0) -> None:
+        """Charge the call once: the engine's `usage` (on a cut stream, what it reported delivered so
+        far) plus `delivered`, an upper bound of the completion tokens sent beyond that usage (0: none).
+        Without usage: `delivered` 0 means nothing came back (nothing to charge), None a complete answer
+        of unknown length (charged at its bound)."""
         if self.settled:
             return
         self.settled = True
-        await self._settle(status, usage, produced)
+        await self._settle(status, usage, delivered)
 
     def settle_later(self, status: str, usage: Usage | None = None,
-                     produced: int | None = 0) -> asyncio.Task[None] | None:
+                     delivered: int | None = 0) -> asyncio.Task[None] | None:
         """Settle in a task of its own, which a client going away cannot cancel."""
         if self.settled:
             return None
         self.settled = True
-        task = asyncio.get_running_loop().create_task(self._settle(status, usage, produced))
+        return self._in_background(self._settle(status, usage, delivered))
+
+    def note_progress(self, usage: Usage | None, delivered: int) -> None:
+        """Write what this open call has delivered so far into its reservation (progress.lua, in the
+        background), so the reaper charges it if this replica dies or cannot settle."""
+        if not self.res_id or self.settled:
+            return
+        prompt, completion, _ = self._charge(usage, delivered)
+        args = ProgressArgs(self.res_id, cost_micro_usd(prompt, completion, self.price), prompt, completion)
+        self._in_background(self._note(args))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
         self.gov.background.add(task)
         task.add_done_callback(self.gov.background.discard)
         return task
 
-    async def _settle(self, status: str, usage: Usage | None, produced: int | None) -> None:
-        if usage is not None:
-            prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
-        elif produced == 0:
-            prompt, completion, estimated = 0, 0, False  # nothing came back: nothing to charge
-        else:
-            bound = self.max_tokens * self.n if self.max_tokens else 0
-            done = bound if produced is None else (min(produced, bound) if bound else produced)
-            prompt, completion, estimated = self.prompt_bound, done, True
+    async def _note(self, args: ProgressArgs) -> None:
+        try:
+            await self.gov.progress_script(keys=redis_keys(self.caller.key_id)[1:2], args=args.argv())
+        except redis.RedisError as exc:  # the settle will charge it; the note only helps the reaper
+            log.debug("cannot note the progress of a call of key %s: %s", self.caller.key_id, exc)
+
+    def _charge(self, usage: Usage | None, delivered: int | None) -> tuple[int, int, bool]:
+        """(prompt tokens, completion tokens, estimated): never less than what was delivered, never more
+        completion tokens by estimate than the engine was allowed to make (max_tokens x n)."""
+        bound = self.max_tokens * self.n if self.max_tokens else 0
+        if usage is None:
+            if delivered == 0:
+                return 0, 0, False  # nothing came back: nothing to charge
+            done = bound if delivered is None else (min(delivered, bound) if bound else delivered)
+            return self.prompt_bound, done, True
+        extra = delivered or 0
+        if extra and bound:
+            extra = min(extra, max(0, bound - usage.completion_tokens))
+        return usage.prompt_tokens, usage.completion_tokens + extra, extra > 0
+
+    async def _settle(self, status: str, usage: Usage | None, delivered: int | None) -> None:
+        prompt, completion, estimated = self._charge(usage, delivered)
         cost = cost_micro_usd(prompt, completion, self.price)
         if cost > self.reserved_micro and not self.caller.admin and self.reserved_micro:
             OVERRUNS.labels(self.model).inc()
-        gov = self.gov
         args = SettleArgs(
             res_id=self.res_id, cost_micro=cost, prompt_tokens=prompt, completion_tokens=completion,
             key_id=self.caller.key_id, model=self.model, status=status,
             latency_ms=round((time.perf_counter() - self.started) * 1000, 2), ttft_ms=round(self.ttft_s * 1000, 2),
-            stream=self.stream, estimated=estimated, priced=self.price is not None, trim_ms=gov.trim_ms)
+            stream=self.stream, estimated=estimated, priced=self.price is not None, trim_ms=self.gov.trim_ms)
+        if not await self._record(args, retrying=False):
+            # Retried while this process lives (settle.lua answers "duplicate" to a repeat); if it dies
+            # first, the reaper charges the last progress note.
+            self._in_background(self._record_until_done(args))
+
+    async def _record_until_done(self, args: SettleArgs) -> None:
+        delay = SETTLE_RETRY_FIRST_S
+        while True:
+            await asyncio.sleep(delay)
+            if await self._record(args, retrying=True):
+                return
+            delay = min(delay * 2, SETTLE_RETRY_MAX_S)
+
+    async def _record(self, args: SettleArgs, retrying: bool) -> bool:
+        """One settle.lua call; False when Redis did not answer."""
         try:
-            await gov.settle_script(keys=redis_keys(self.caller.key_id), args=args.argv())
+            reply = await self.gov.settle_script(keys=redis_keys(self.caller.key_id), args=args.argv())
         except redis.RedisError as exc:
-            # The reservation stays; the reaper returns it once its lease runs out.
-            log.error("cannot settle call of key %s on %s (%s): cost %d micro-USD not recorded",
-                      self.caller.key_id, self.model, exc, cost)
-            return
-        if status != "404":  # an unrouted name is the client's string: not a metric label
-            count(self.model, self.project, status, prompt, completion, cost)
+            if not retrying:
+                log.warning("cannot settle a call of key %s on %s yet (%s): cost %d micro-USD, retrying",
+                            self.caller.key_id, self.model, exc, args.cost_micro)
+            return False
+        if retrying:
+            log.info("settled a call of key %s on %s after retrying", self.caller.key_id, self.model)
+        if reply[0] == "ok" and args.status != "404":  # an unrouted name is the client's string: no label
+            count(self.model, self.project, args.status, args.prompt_tokens, args.completion_tokens,
+                  args.cost_micro)
+        return True
 
 
 class Governor:
@@ -128,6 +180,7 @@ class Governor:
         self.lease_ms = int((settings.request_timeout_s + settings.reservation_grace_s) * 1000)
         self.reserve_script = load_script(client, "reserve.lua")
         self.settle_script = load_script(client, "settle.lua")
+        self.progress_script = load_script(client, "progress.lua")
         self.key_models_script = load_script(client, "key_models.lua")
         self.background: set[asyncio.Task[None]] = set()
 

@@ -1,6 +1,6 @@
 """The Lua scripts' boundary: loading them, their arguments and their replies, each in one place.
 
-A script's ARGV is built from a named dataclass (`ReserveArgs`, `SettleArgs`) and its reply is read
+A script's ARGV is built from a named dataclass (`ReserveArgs`, `SettleArgs`, `ProgressArgs`) and its reply is read
 once into a typed object (`Admission`, the models of a key) or a `Denied`; nothing else indexes
 ARGV or a reply by position.
 """
@@ -89,6 +89,19 @@ class SettleArgs:
         return [self.res_id, self.cost_micro, self.prompt_tokens, self.completion_tokens, self.key_id, self.model,
                 self.status, self.latency_ms, self.ttft_ms, int(self.stream), int(self.estimated), int(self.priced),
                 self.trim_ms]
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressArgs:
+    """progress.lua's ARGV, by name: what an open call has delivered so far (the reaper's due)."""
+
+    res_id: str
+    cost_micro: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    def argv(self) -> list[str | int]:
+        return [self.res_id, self.cost_micro, self.prompt_tokens, self.completion_tokens]
 
 
 @dataclass(frozen=True, slots=True)

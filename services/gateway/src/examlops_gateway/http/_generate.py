@@ -1,5 +1,6 @@
 """The route and generate stages: find the endpoint, call engine-proxy.Generate, send the answer
-back (whole or streamed unbuffered), and settle the call when the answer ends, however it ends.
+back (whole or streamed unbuffered), and settle the call when the answer ends, however it ends:
+a stream cut short (the client left, the engine failed) is billed what it delivered (_delivered).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from examlops.svc import RouteTable, unroutable_reason
 
 from .._state import GatewayState
 from ..governance import Ticket
+from ._delivered import Delivered
 from ._errors import OpenAIError, from_grpc
 
 REQUESTS = Counter("examlops_gateway_requests_total", "Gateway generation requests.",
@@ -77,7 +79,8 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket) -> Response:
     REQUESTS.labels(model, "200").inc()
     if not ticket.stream:
         return _SettledAnswer(first, ticket, headers)
-    return _SettledStream(_sse(call, first, ticket), call, ticket, headers)
+    sse = _sse(call, first, ticket, state.settings.heartbeat_s)  # notes progress once per heartbeat
+    return _SettledStream(sse, call, first, ticket, headers)
 
 
 class _SettledAnswer(Response):
@@ -99,10 +102,10 @@ class _SettledAnswer(Response):
 class _SettledStream(StreamingResponse):
     """A stream whose call is settled even when the client leaves before the first chunk is sent."""
 
-    def __init__(self, content: AsyncIterator[bytes], call: Any, ticket: Ticket,
+    def __init__(self, content: AsyncIterator[bytes], call: Any, first: pb.GenerateChunk, ticket: Ticket,
                  headers: dict[str, str] | None) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.call, self.ticket = call, ticket
+        self.call, self.first, self.ticket = call, first, ticket
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -110,7 +113,9 @@ class _SettledStream(StreamingResponse):
         finally:
             if not self.ticket.settled:  # _sse never ran: one chunk had come back from the engine
                 self.call.cancel()
-                self.ticket.settle_later(CLIENT_GONE, None, 1)
+                made = Delivered()
+                made.add(self.first)
+                self.ticket.settle_later(CLIENT_GONE, made.usage, made.beyond)
 
 
 def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
@@ -123,33 +128,37 @@ def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
     return headers
 
 
-async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket) -> AsyncIterator[bytes]:
-    """Forward chunks as they come; settle before [DONE], or in the background if the client left."""
+async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s: float) -> AsyncIterator[bytes]:
+    """Forward chunks as they come; settle before [DONE], or in the background if the client left.
+    A long stream notes what it delivered in its reservation now and then (for the reaper)."""
     chunk = first
-    produced = 0
-    status, usage, error = "200", None, b""
+    sent = Delivered()
+    status, error = "200", b""
+    noted = time.monotonic()
     try:
         try:
             while True:
+                sent.add(chunk)  # counted before it is sent: the client may leave while it is
                 if chunk.data:
-                    produced += 1
                     yield b"data: " + chunk.data + b"\n\n"
                 if chunk.final:
-                    usage = chunk.usage if chunk.HasField("usage") else None
                     break
+                if time.monotonic() - noted >= note_every_s:
+                    noted = time.monotonic()
+                    ticket.note_progress(sent.usage, sent.beyond)
                 chunk = await call.read()
                 if chunk is grpc.aio.EOF:
                     break
         except grpc.aio.AioRpcError as exc:
             err = from_grpc(exc, ticket.model)
             status, error = str(err.status), b"data: " + orjson.dumps(err.body()) + b"\n\n"
-        settling = ticket.settle_later(status, usage, produced)
+        settling = ticket.settle_later(status, sent.usage, sent.beyond)
         if settling is not None:
             await asyncio.shield(settling)
         if error:
             yield error
         yield b"data: [DONE]\n\n"
     finally:
-        if not ticket.settled:  # the client went away mid-stream: stop the engine, charge what it made
+        if not ticket.settled:  # the client went away mid-stream: stop the engine, charge what was sent
             call.cancel()
-            ticket.settle_later(CLIENT_GONE, None, produced)
+            ticket.settle_later(CLIENT_GONE, sent.usage, sent.beyond)

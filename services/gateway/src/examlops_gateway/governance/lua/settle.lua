@@ -7,32 +7,45 @@
 --       3 prompt tokens   4 completion tokens   5 key id   6 model   7 status   8 latency ms
 --       9 time to first chunk ms   10 stream (1/0)   11 usage estimated (1/0)   12 priced (1/0)
 --      13 trim records older than this many ms (0: keep all)
--- Returns {"ok", tenant, project} or {"duplicate"} when this reservation was settled already.
+-- Returns {"ok", tenant, project} or {"duplicate"} when this reservation was settled already (a
+-- retried settle whose first reply was lost), so the gateway may retry until Redis answers.
+--
+-- A reservation the reaper returned first (its gateway looked dead, or its lease ran out) left a
+-- marker "reaped:<res_id>" -> "ms|cost|prompt|completion" naming what the reaper already charged
+-- (progress.lua's last note); this late settle charges the rest, so the real cost is charged once.
 
--- num(), now_ms(), reservation(), release() and append_cost() come from _prelude.lua.
+-- num(), int(), split(), now_ms(), reservation(), release() and append_cost() come from _prelude.lua.
 local now = now_ms()
 local late = '0'
+local cost, prompt, completion = num(ARGV[2]), num(ARGV[3]), num(ARGV[4])
 
 if ARGV[1] ~= '' then
+  redis.call('HDEL', KEYS[2], 'owed:' .. ARGV[1])
   local r = redis.call('HGET', KEYS[2], ARGV[1])
+  local marker = redis.call('HGET', KEYS[2], 'reaped:' .. ARGV[1])
   if r then
     redis.call('HDEL', KEYS[2], ARGV[1])
     local res = reservation(r)
-    release(KEYS[1], res, res.tokens - num(ARGV[3]) - num(ARGV[4]), now)
-  elseif redis.call('HDEL', KEYS[2], 'reaped:' .. ARGV[1]) == 1 then
-    late = '1'  -- the reaper returned the reservation already; the real cost is still owed
+    release(KEYS[1], res, res.tokens - prompt - completion, now)
+  elseif marker then
+    redis.call('HDEL', KEYS[2], 'reaped:' .. ARGV[1])
+    late = '1'  -- the reaper returned the reservation already; the rest of the real cost is still owed
+    local m = split(marker)
+    cost = math.max(0, cost - num(m[2]))
+    prompt = math.max(0, prompt - num(m[3]))
+    completion = math.max(0, completion - num(m[4]))
   else
     return {'duplicate'}
   end
 end
 
-redis.call('HINCRBY', KEYS[1], 'spent', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'spent', int(cost))
 redis.call('HINCRBY', KEYS[1], 'requests', 1)
-redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[4])
+redis.call('HINCRBY', KEYS[1], 'prompt_tokens', int(prompt))
+redis.call('HINCRBY', KEYS[1], 'completion_tokens', int(completion))
 local tp = redis.call('HMGET', KEYS[1], 'tenant', 'project')
 append_cost(KEYS[3], ARGV[13], now, {
-  model = ARGV[6], key = ARGV[5], tenant = tp[1] or '', project = tp[2] or '', prompt_tokens = ARGV[3],
-  completion_tokens = ARGV[4], cost_micro_usd = ARGV[2], latency_ms = ARGV[8], ttft_ms = ARGV[9],
+  model = ARGV[6], key = ARGV[5], tenant = tp[1] or '', project = tp[2] or '', prompt_tokens = int(prompt),
+  completion_tokens = int(completion), cost_micro_usd = int(cost), latency_ms = ARGV[8], ttft_ms = ARGV[9],
   status = ARGV[7], stream = ARGV[10], estimated = ARGV[11], priced = ARGV[12], late = late})
 return {'ok', tp[1] or '', tp[2] or ''}
