@@ -4,7 +4,8 @@ It answers in microseconds so that what the benchmark measures is the path in fr
 Raw asyncio protocol (uvloop when installed), HTTP/1.1 keep-alive, no framework:
 
     POST /v1/chat/completions   a fixed small chat.completion with usage; with "stream": true a few
-                                SSE chunks, a usage chunk when stream_options.include_usage, [DONE]
+                                SSE chunks, a usage chunk when stream_options.include_usage (and the
+                                running usage on every chunk with continuous_usage_stats, as vLLM), [DONE]
     POST /v1/completions        the same for text_completion
     GET  /v1/models             the one model the stub pretends to serve
     GET  /health                200, empty body (as vLLM answers)
@@ -85,15 +86,19 @@ def _completion_json(model: str) -> bytes:
     })
 
 
-def _chat_events(model: str, include_usage: bool) -> list[bytes]:
+def _chat_events(model: str, include_usage: bool, continuous: bool = False) -> list[bytes]:
     base = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": CREATED, "model": model}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    def chunk(delta: dict[str, Any], finish: str | None = None, done: int = 0) -> dict[str, Any]:
+        out = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if continuous:  # vLLM's continuous_usage_stats: the running usage on every chunk
+            out["usage"] = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": done,
+                            "total_tokens": PROMPT_TOKENS + done}
+        return out
 
     events = [chunk({"role": "assistant", "content": ""})]
-    events += [chunk({"content": tok}) for tok in TOKENS]
-    events.append(chunk({}, "stop"))
+    events += [chunk({"content": tok}, done=i + 1) for i, tok in enumerate(TOKENS)]
+    events.append(chunk({}, "stop", len(TOKENS)))
     if include_usage:
         events.append({**base, "choices": [], "usage": _usage()})
     return [b"data: " + _dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
@@ -114,7 +119,7 @@ def _chunked(events: list[bytes]) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
 
 
-_cache: dict[tuple[bytes, str, bool, bool, bool], bytes] = {}
+_cache: dict[tuple[bytes, str, bool, bool, bool, bool], bytes] = {}
 #: what /stats reports: a client that pools its connections opens few of them
 STATS = {"connections": 0, "requests": 0}
 
@@ -130,13 +135,14 @@ def _generation(path: bytes, body: bytes, keep_alive: bool) -> bytes:
     stream = req.get("stream") is True
     opts = req.get("stream_options")
     include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
-    key = (path, model, stream, include_usage, keep_alive)
+    continuous = include_usage and opts.get("continuous_usage_stats") is True  # type: ignore[union-attr]
+    key = (path, model, stream, include_usage, continuous, keep_alive)
     cached = _cache.get(key)
     if cached is not None:
         return cached
     chat = path == b"/v1/chat/completions"
     if stream:
-        events = _chat_events(model, include_usage) if chat else _completion_events(model, include_usage)
+        events = _chat_events(model, include_usage, continuous) if chat else _completion_events(model, include_usage)
         out = _head("200 OK", "text/event-stream", None, keep_alive) + _chunked(events)
     else:
         out = _plain("200 OK", _chat_json(model) if chat else _completion_json(model), keep_alive)
