@@ -6,6 +6,7 @@ document (`error_responses`). Governance's typed refusals are mapped to it in _d
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
@@ -79,13 +80,28 @@ _GRPC_TO_HTTP = {
 }
 
 
-def from_grpc(exc: grpc.aio.AioRpcError, endpoint: str) -> OpenAIError:
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>)]+|\[[0-9a-f:]+\](?::\d+)?|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b",
+                      re.IGNORECASE)
+
+
+def without_addresses(text: str) -> str:
+    """`text` with URLs and IP addresses (and their ports) replaced by `<internal address>`."""
+    return _ADDRESS.sub("<internal address>", text)
+
+
+def from_grpc(exc: grpc.aio.AioRpcError, endpoint: str, *, admin: bool) -> OpenAIError:
+    """An engine-proxy error as the caller gets it. Only the admin key sees why a backend or
+    engine-proxy failed: the details name internal addresses (http://10.…:8000, ipv4:…); any other
+    caller gets `endpoint:<model>` and, for a refusal by the engine, its message without addresses."""
     reason, param = error_reason(exc)
     details = exc.details() or exc.code().name
     if reason == "AllBackendsFailed":
-        return OpenAIError(502, details, type="AllBackendsFailed", code="all_backends_failed")
+        message = details if admin else f"all backends failed for endpoint:{endpoint} (the admin key sees why)"
+        return OpenAIError(502, message, type="AllBackendsFailed", code="all_backends_failed")
     if not reason and exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return OpenAIError(503, f"engine-proxy unavailable while serving endpoint:{endpoint}: {details}",
+        return OpenAIError(503, f"engine-proxy unavailable while serving endpoint:{endpoint}"
+                                + (f": {details}" if admin else ""),
                            type="service_unavailable", code="engine_proxy_unavailable")
     status, typ = _GRPC_TO_HTTP.get(exc.code(), (500, "internal_error"))
-    return OpenAIError(status, details, type=typ, code=reason or exc.code().name.lower(), param=param or None)
+    return OpenAIError(status, details if admin else without_addresses(details), type=typ,
+                       code=reason or exc.code().name.lower(), param=param or None)

@@ -59,7 +59,7 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket) -> Response:
     try:
         first = await call.read()
     except grpc.aio.AioRpcError as exc:
-        err = from_grpc(exc, model)
+        err = from_grpc(exc, model, admin=ticket.caller.admin)
         REQUESTS.labels(model, str(err.status)).inc()
         await ticket.settle(str(err.status))
         raise err from None
@@ -150,7 +150,7 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
                 if chunk is grpc.aio.EOF:
                     break
         except grpc.aio.AioRpcError as exc:
-            err = from_grpc(exc, ticket.model)
+            err = from_grpc(exc, ticket.model, admin=ticket.caller.admin)
             status, error = str(err.status), b"data: " + orjson.dumps(err.body()) + b"\n\n"
         settling = ticket.settle_later(status, sent.usage, sent.beyond)
         if settling is not None:
