@@ -81,6 +81,11 @@ def test_completions_reserve_and_send_max_tokens_not_max_completion_tokens(shape
     """The exploit: max_completion_tokens 1 was reserved, and vLLM's completions ran max_tokens 2000."""
     key_id, key = shapes.key(budget_usd=0.001)  # 1,000 micro-USD
     body = {"model": MODEL, "prompt": "hi", "max_completion_tokens": 1, "max_tokens": 2000}
+    seen = len(shapes.engine.bodies)
+    refused = shapes.call(key, body)  # a field vLLM's completions ignore is not forwarded (item 5)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_completion_tokens"
+    assert len(shapes.engine.bodies) == seen
+    del body["max_completion_tokens"]
     resp = shapes.call(key, body)
     assert resp.status_code == 200, resp.text
     sent = shapes.engine.bodies[-1]
@@ -204,3 +209,37 @@ def test_unknown_part_types_are_400_naming_the_part(shapes: Shapes) -> None:
         assert (err["param"], err["code"]) == ("messages[1].content[2]", "media_type_not_allowed")
         assert "input_foo" in err["message"]
     assert len(shapes.engine.bodies) == seen
+
+
+# --- 5. only fields the gateway knows reach the engine -------------------------------------------
+
+ENGINE_STEERING = {"kv_transfer_params": {"remote_host": "10.0.0.9", "remote_port": 7777, "do_remote_prefill": True},
+                   "priority": -100, "request_id": "victim-request", "vllm_xargs": {"k": "v"},
+                   "media_io_kwargs": {"video": {"num_frames": 100000}}, "mm_processor_kwargs": {"fps": 1000}}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("field", [*ENGINE_STEERING, "best_of", "chat_template"])
+def test_unknown_fields_are_400_naming_them_and_never_reach_the_engine(shapes: Shapes, path: str,
+                                                                       field: str) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 5, field: ENGINE_STEERING.get(field, 2)}
+    body.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
+    seen = len(shapes.engine.bodies)
+    resp = shapes.call(shapes.key(budget_usd=1)[1], body, path)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "unsupported_field", field)
+    assert len(shapes.engine.bodies) == seen
+
+
+def test_documented_sampling_fields_still_reach_the_engine(shapes: Shapes) -> None:
+    _, key = shapes.key(budget_usd=1)
+    sampling = {"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "stop": ["\n"], "seed": 7, "logprobs": 2}
+    assert shapes.call(key, {"model": MODEL, "prompt": "x", "max_tokens": 5, **sampling}).status_code == 200
+    assert sampling.items() <= shapes.engine.bodies[-1].items()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "top_k": 3,
+            "chat_template_kwargs": {"enable_thinking": False}, "tools": [], "parallel_tool_calls": False}
+    assert shapes.call(key, chat, "/v1/chat/completions").status_code == 200
+    assert chat.items() <= shapes.engine.bodies[-1].items()  # forwarded as sent: max_tokens was affordable
+    admin = shapes.call(DEFAULT_ADMIN_KEY, {"model": MODEL, "prompt": "x", "priority": 0})
+    assert admin.status_code == 200 and shapes.engine.bodies[-1]["priority"] == 0  # the operator's key passes all

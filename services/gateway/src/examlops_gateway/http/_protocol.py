@@ -9,13 +9,14 @@ Governance reserves from that bound and writes it into the body when it lowers o
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from examlops.mediaparts import MEDIA_PART_TYPES, TEXT_PART_TYPES
 
 from ._errors import OpenAIError
+from ._fields import CHAT_FIELDS, COMPLETION_FIELDS
 
 #: Every content part type vLLM 0.32 parses; another type is refused before any reservation.
 KNOWN_PART_TYPES: Final = TEXT_PART_TYPES | MEDIA_PART_TYPES
@@ -51,6 +52,8 @@ class GenerationRequest(BaseModel):
     n: int | None = Field(default=None, ge=1, le=16)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    #: undeclared fields forwarded to the engine for a virtual key (_fields.py)
+    forwarded: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def output_limit(self) -> int:
@@ -72,6 +75,7 @@ class GenerationRequest(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    forwarded = CHAT_FIELDS
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
@@ -98,6 +102,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
+    forwarded = COMPLETION_FIELDS
     prompt: str | list[str] | list[int] | list[list[int]]
 
     @property
@@ -123,5 +128,13 @@ class CompletionRequest(GenerationRequest):
 
 def check_request(req: GenerationRequest, admin: bool, max_prompts: int) -> None:
     """The parse stage's refusals, for every key and before any reservation: a shape the gateway
-    cannot bound (more prompts than `max_prompts`, a content part of a type the engine does not know)."""
+    cannot bound (more prompts than `max_prompts`, a content part of a type the engine does not know);
+    for a virtual key, a field the gateway does not forward (the admin key's requests pass whole)."""
+    extra = req.model_extra
+    if extra and not admin:
+        for name in extra:
+            if name not in req.forwarded:
+                raise OpenAIError(400, f"{name[:60]}: this field is not forwarded to the engine for virtual keys "
+                                       "(services/gateway/GOVERNANCE.md lists the fields that are)",
+                                  code="unsupported_field", param=name[:60])
     req.check_shape(max_prompts)
