@@ -2,7 +2,8 @@
 
 It answers /health, /v1/models and /metrics (with vLLM's metric names), and records in
 `$EXAMLOPS_FAKE_VLLM_RECORD` (when set) its argv and whether VLLM_API_KEY reached it — never
-the key's value. The real-vLLM tier runs the real `vllm serve` through the same job scripts.
+the key's value. Like vLLM, with VLLM_API_KEY set it answers /v1/* only to `Bearer <that key>`.
+The real-vLLM tier runs the real `vllm serve` through the same job scripts.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> None:
     assert argv[0] == "serve", argv
     port = int(argv[argv.index("--port") + 1])
     host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+    api_key = os.environ.get("VLLM_API_KEY")
     record = os.environ.get("EXAMLOPS_FAKE_VLLM_RECORD")
     if record:
         with open(record, "w") as handle:
@@ -41,6 +43,11 @@ def main(argv: list[str]) -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if api_key and self.path.startswith("/v1") and self.headers.get("Authorization") != f"Bearer {api_key}":
+                self.send_response(401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             body, kind = {"/health": (b"", "text/plain"), "/metrics": (METRICS.encode(), "text/plain"),
                           "/v1/models": (b'{"object":"list","data":[]}', "application/json")
                           }.get(self.path, (None, ""))

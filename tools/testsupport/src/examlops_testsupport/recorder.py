@@ -51,8 +51,11 @@ def usage_to_the_limit(path: str, body: dict[str, Any]) -> dict[str, int]:
 
 
 class RecordingServer:
-    def __init__(self, to_the_limit: bool = False) -> None:
+    def __init__(self, to_the_limit: bool = False, *, api_key: str = "", port: int = 0) -> None:
+        """`api_key`: like `vllm serve` with VLLM_API_KEY, refuse a POST without `Bearer <api_key>`
+        (401, recorded in `refused`); `port`: listen there (0: a free port)."""
         self.bodies: list[dict[str, Any]] = []
+        self.refused = 0
         self.connections = 0
         recorder = self
 
@@ -71,6 +74,10 @@ class RecordingServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                    recorder.refused += 1
+                    self._send(401, b'{"error": "Unauthorized"}', "application/json")
+                    return
                 recorder.bodies.append(body)
                 usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
                 if to_the_limit:
@@ -105,7 +112,7 @@ class RecordingServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
