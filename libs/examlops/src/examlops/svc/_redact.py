@@ -20,7 +20,9 @@ def redact(text: str) -> str:
 def redact_setting(name: str, value: object, secret: bool = False) -> str:
     """How a setting's value may be shown in an error: secrets by length only, URLs without passwords."""
     if secret or SECRET_NAME.search(name):
-        return f"<redacted, {len(str(value))} characters>"
+        # a SecretStr's str() is its mask: measure the secret itself
+        plain = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        return f"<redacted, {len(str(plain))} characters>"
     return redact(repr(value))
 
 
