@@ -19,7 +19,7 @@ import pytest
 from examlops.engine import parse_engine_block
 from examlops.svc import DEFAULT_ADMIN_KEY
 from examlops_devstack import Proc
-from examlops_testsupport.fixtures import Stack, free_port, wait_until
+from examlops_testsupport.fixtures import RedisServer, Stack, free_port, wait_until
 from examlops_testsupport.vllm import smol_block, start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -86,6 +86,36 @@ def test_structured_output_validates_against_schema(smol: openai.OpenAI) -> None
     obj = json.loads(resp.choices[0].message.content or "")
     assert set(obj) == {"city", "population"}
     assert isinstance(obj["city"], str) and isinstance(obj["population"], int)
+
+
+def _running(url: str) -> float:
+    return _counter(httpx.get(url + "/metrics").text, "vllm:num_requests_running")
+
+
+def test_client_disconnect_aborts_the_real_generation_and_settles(
+        stack: Stack, redis_server: RedisServer, server: Server, smol: openai.OpenAI) -> None:
+    """A client that leaves mid-stream stops vLLM's work (its running gauge drops) and is billed."""
+    issued = httpx.post(stack.gateway_url + "/admin/keys", headers={"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"},
+                        json={"tenant": "t", "project": "p", "models": ["smol"]}, timeout=10)
+    assert issued.status_code == 201, issued.text
+    key = issued.json()
+    client = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=key["virtual_key"], max_retries=0)
+    # ignore_eos is not forwarded from virtual keys: a long, open question keeps SmolLM2 busy instead
+    stream = client.chat.completions.create(
+        model="smol", max_tokens=1500, stream=True,
+        messages=[{"role": "user", "content": "Write a very long story about a lighthouse keeper."}])
+    got = [next(stream) for _ in range(3)]
+    assert _running(server.url) == 1
+    stream.close()
+    wait_until(lambda: _running(server.url) == 0, 20, 0.1, "vLLM's running-requests gauge back to 0")
+    cost = "{vk:" + key["id"] + "}:cost"
+    r = redis_server.client()
+    wait_until(lambda: r.xlen(cost) == 1, 10, 0.05, "the call's cost record")
+    (_, record), = r.xrange(cost)
+    assert record["status"] == "499"
+    assert int(record["completion_tokens"]) >= sum(1 for c in got if c.choices and c.choices[0].delta.content)
+    assert int(record["completion_tokens"]) < 1500  # charged what was made before the abort, not the bound
+    client.close()
 
 
 def test_health_gate_failure_and_recovery(stack: Stack, server: Server, smol: openai.OpenAI) -> None:
