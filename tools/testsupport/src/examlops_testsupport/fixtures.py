@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,3 +158,12 @@ def wait_until(check: object, timeout_s: float = 5.0, interval_s: float = 0.02, 
         if time.monotonic() - start > timeout_s:
             raise AssertionError(f"{what} not met within {timeout_s:g} s")
         time.sleep(interval_s)
+
+
+def ports_free(ports: StackPorts) -> bool:
+    """No listener on any port of a stack's set (before `make up` is run on shifted ports)."""
+    for port in [ports.redis, ports.vllm, *ports.services.values()]:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return False
+    return True
