@@ -53,6 +53,12 @@ def _nests_repeat(items: Any, inside_repeat: bool) -> bool:
     return False
 
 
+def pattern_width(pattern: str) -> tuple[int, int]:
+    """The shortest and longest text `pattern` (Python `re` syntax) can match; re.error when invalid."""
+    lo, hi = _parser.parse(pattern).getwidth()
+    return int(lo), int(hi)
+
+
 def check_pattern(pattern: str) -> int:
     """The longest match `pattern` can make; DetectorConfigError when it is not a safe deny-list pattern."""
     if not pattern:
