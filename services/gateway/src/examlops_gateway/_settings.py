@@ -30,6 +30,9 @@ class GatewaySettings(ServiceSettings):
                               description="Most messages in one chat request (400 above it).")
     max_parts_per_message: int = Field(default=256, ge=1,
                                        description="Most content parts in one message (400 above it).")
+    structured_retries: int = Field(default=1, ge=0, le=3,
+                                    description="Further attempts, each admitted and charged, when a whole answer "
+                                                "does not match the request's response_format schema.")
     # --- governance (virtual keys, budgets, rate limits, cost records) -------------------------
     key_check_ttl_s: float = Field(default=2.0, ge=0,
                                    description="How long a virtual key's validity, checked in Redis before its "

@@ -53,8 +53,10 @@ def usage_to_the_limit(path: str, body: dict[str, Any]) -> dict[str, int]:
 class RecordingServer:
     def __init__(self, to_the_limit: bool = False, *, api_key: str = "", port: int = 0) -> None:
         """`api_key`: like `vllm serve` with VLLM_API_KEY, refuse a POST without `Bearer <api_key>`
-        (401, recorded in `refused`); `port`: listen there (0: a free port)."""
+        (401, recorded in `refused`); `port`: listen there (0: a free port). The answer's text is
+        "recorded", or the next of `answers` while it holds any (a test scripts them)."""
         self.bodies: list[dict[str, Any]] = []
+        self.answers: list[str] = []
         self.refused = 0
         self.connections = 0
         recorder = self
@@ -79,12 +81,13 @@ class RecordingServer:
                     self._send(401, b'{"error": "Unauthorized"}', "application/json")
                     return
                 recorder.bodies.append(body)
+                content = recorder.answers.pop(0) if recorder.answers else "recorded"
                 usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
                 if to_the_limit:
                     usage = usage_to_the_limit(self.path, body)
                 if body.get("stream"):
                     chunks = [{"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                               "choices": [{"index": 0, "delta": {"role": "assistant", "content": "recorded"},
+                               "choices": [{"index": 0, "delta": {"role": "assistant", "content": content},
                                             "finish_reason": "stop"}]},
                               {"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                                "choices": [], "usage": usage}]
@@ -101,7 +104,7 @@ class RecordingServer:
                     self.wfile.write(b"0\r\n\r\n")
                     return
                 answer = {"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
-                          "choices": [{"index": 0, "message": {"role": "assistant", "content": "recorded"},
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                                        "finish_reason": "stop"}], "usage": usage}
                 self._send(200, json.dumps(answer).encode(), "application/json")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import orjson
@@ -23,6 +23,9 @@ from .._state import GatewayState
 from ..governance import Ticket
 from ._delivered import Delivered
 from ._errors import OpenAIError, from_grpc
+
+if TYPE_CHECKING:  # structured output's hook on a stream
+    from ._structured import CheckedStream
 
 REQUESTS = Counter("examlops_gateway_requests_total", "Gateway generation requests.",
                    ["model", "status"])
@@ -50,8 +53,9 @@ async def route(routes: RouteTable, ticket: Ticket) -> None:
     raise err
 
 
-async def generate(state: GatewayState, kind: int, ticket: Ticket) -> Response:
-    """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves)."""
+async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: CheckedStream | None = None) -> Response:
+    """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves).
+    `checked`: a stream's structured-output check (_structured.py)."""
     model = ticket.model
     request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body)  # type: ignore[arg-type]
     call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
@@ -79,7 +83,7 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket) -> Response:
     REQUESTS.labels(model, "200").inc()
     if not ticket.stream:
         return _SettledAnswer(first, ticket, headers)
-    sse = _sse(call, first, ticket, state.settings.heartbeat_s)  # notes progress once per heartbeat
+    sse = _sse(call, first, ticket, state.settings.heartbeat_s, checked)  # notes progress once per heartbeat
     return _SettledStream(sse, call, first, ticket, headers)
 
 
@@ -128,7 +132,8 @@ def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
     return headers
 
 
-async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s: float) -> AsyncIterator[bytes]:
+async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s: float,
+               checked: CheckedStream | None) -> AsyncIterator[bytes]:
     """Forward chunks as they come; settle before [DONE], or in the background if the client left.
     A long stream notes what it delivered in its reservation now and then (for the reaper)."""
     chunk = first
@@ -139,7 +144,7 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
         try:
             while True:
                 sent.add(chunk)  # counted before it is sent: the client may leave while it is
-                if chunk.data:
+                if chunk.data and (checked is None or not checked.holds(chunk.data)):
                     yield b"data: " + chunk.data + b"\n\n"
                 if chunk.final:
                     break
@@ -152,6 +157,10 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
         except grpc.aio.AioRpcError as exc:
             err = from_grpc(exc, ticket.model, admin=ticket.caller.admin)
             status, error = str(err.status), b"data: " + orjson.dumps(err.body()) + b"\n\n"
+        if checked is not None and not error:  # structured output: the held last chunks, or an error event
+            released, status, error = checked.end(status)
+            if released:
+                yield released
         settling = ticket.settle_later(status, sent.usage, sent.beyond)
         if settling is not None:
             await asyncio.shield(settling)

@@ -4,7 +4,9 @@ Each stage lives in its wing: auth (_deps.caller, resolved by FastAPI before the
 then governance.KeyCheck: a virtual key must exist and be valid before its body is read), parse
 (_body), admit (governance: key, allow-list, rate limits, budget reservation, one Redis round trip),
 route and generate (_generate), settle (governance.Ticket, called by the response when the answer
-ends, however it ends: one Redis round trip).
+ends, however it ends: one Redis round trip). Structured output (_structured) checks a
+response_format's schema at parse and the answers after generate, retrying an invalid whole answer
+through a new admission.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from starlette.responses import Response
 from .._state import GatewayState
 from ..governance import Caller
 from ._body import parse_body
-from ._generate import generate, route
+from ._generate import route
 from ._protocol import GenerationRequest, check_request
+from ._structured import generate_checked, structured_output
 
 
 async def serve_generation(request: Request, state: GatewayState, caller: Caller, kind: int,
@@ -30,8 +33,9 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
     raw, req = await parse_body(request, s.max_body_bytes, schema,               # parse
                                 max_messages=s.max_messages, max_parts=s.max_parts_per_message)
     check_request(req, caller.admin, state.settings.max_prompts)                 # parse: shapes we bound
+    shape = structured_output(req, kind, s.structured_retries)                   # parse: response_format's schema
     ticket = await state.governor.admit(caller, req, raw, started)               # admit
     # guard: an input guardrail (guardrails/) checks `ticket` here, before any engine call
     # cache: a response-cache lookup (cache/) may answer here, settling `ticket` itself
     await route(state.routes, ticket)                                            # route
-    return await generate(state, kind, ticket)                                   # generate → settle
+    return await generate_checked(state, kind, ticket, req, shape)               # generate → check → settle
