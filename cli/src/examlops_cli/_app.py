@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from . import audit, dev, gateway, hpc, manifest, models, serve_llm, serve_llm_engine
+from . import audit, dev, gateway, gateway_guardrail, hpc, manifest, models, serve_llm, serve_llm_engine
 from ._output import Ctx
 
 app = typer.Typer(
@@ -18,6 +18,7 @@ serve.add_typer(serve_llm.app, name="llm")
 serve.command("manifest")(manifest.manifest)
 app.add_typer(serve, name="serve")
 app.add_typer(hpc.app, name="hpc")
+gateway.app.add_typer(gateway_guardrail.app, name="guardrail")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(audit.app, name="audit")
 app.add_typer(dev.app, name="dev")

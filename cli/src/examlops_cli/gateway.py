@@ -124,9 +124,11 @@ def key_issue(
     rpm: Annotated[int | None, typer.Option(help="Requests per minute.", min=1)] = None,
     tpm: Annotated[int | None, typer.Option(help="Tokens per minute.", min=1)] = None,
     expires: Annotated[str, typer.Option(help="30d, 12h, 90m or an ISO date; default: never.")] = "",
+    guardrail: Annotated[list[str] | None, typer.Option(
+        "--guardrail", help="Guardrail policy applied to every call of the key; repeat for more.")] = None,
 ) -> None:
     """Issue a virtual key. The key is shown once: it is stored only as a hash."""
-    body: dict[str, Any] = {"tenant": tenant, "project": project, "models": model}
+    body: dict[str, Any] = {"tenant": tenant, "project": project, "models": model, "guardrails": guardrail or []}
     for name, value in (("budget_usd", budget), ("rpm", rpm), ("tpm", tpm)):
         if value is not None:
             body[name] = value
@@ -161,9 +163,14 @@ def key_update(
     tpm: Annotated[int | None, typer.Option(help="Tokens per minute; 0 removes the limit.", min=0)] = None,
     model: Annotated[list[str] | None, typer.Option("--model", help="Replace the allowed models.")] = None,
     expires: Annotated[str, typer.Option(help="New expiry: 30d, 12h, or an ISO date.")] = "",
+    guardrail: Annotated[list[str] | None, typer.Option(
+        "--guardrail", help="Replace the key's guardrail policies.")] = None,
+    no_guardrails: Annotated[bool, typer.Option("--no-guardrails", help="Remove its guardrail policies.")] = False,
 ) -> None:
-    """Change a key's budget, limits, models or expiry (audited as key.update)."""
+    """Change a key's budget, limits, models, guardrails or expiry (audited as key.update)."""
     body: dict[str, Any] = {}
+    if guardrail or no_guardrails:
+        body["guardrails"] = [] if no_guardrails else guardrail
     if budget is not None or no_budget:
         body["budget_usd"] = None if no_budget else budget
     if rpm is not None:
@@ -175,7 +182,7 @@ def key_update(
     if expires:
         body["expires_at"] = parse_expiry(expires)
     if not body:
-        fail("nothing to change: give --budget, --no-budget, --rpm, --tpm, --model or --expires")
+        fail("nothing to change: give --budget, --no-budget, --rpm, --tpm, --model, --guardrail or --expires")
     row = admin_json("PATCH", f"/admin/keys/{key_id}", body)
     if Ctx.json:
         emit_json(row)

@@ -26,7 +26,8 @@ from ._health import router as health_router
 from ._settings import GatewaySettings
 from ._state import GatewayState
 from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices
-from .http import admin_router, install_error_handlers, install_openapi, openai_router
+from .guardrails import GuardrailBook, GuardStage, engine_proxy_ask
+from .http import admin_router, guardrails_admin_router, install_error_handlers, install_openapi, openai_router
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +64,20 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         prices = PriceBook()
         reaper = Reaper(client, settings, replica_id)
         await reaper.heartbeat()  # alive before the first reservation
+        engine_proxy = ep_grpc.EngineProxyStub(channel)
+        governor = Governor(settings, client, prices, replica_id)
+        guardrails = GuardrailBook(client, engine_proxy_ask(engine_proxy, governor), settings.guardrail_refresh_s)
+        await guardrails.refresh()  # the policies in force before the first call
         app.state.gateway = GatewayState(
-            settings=settings, routes=routes, engine_proxy=ep_grpc.EngineProxyStub(channel),
+            settings=settings, routes=routes, engine_proxy=engine_proxy,
             channel=channel, admin_key=settings.admin_key.get_secret_value().encode(),
             registry=registry, registry_channel=registry_channel, redis=client, prices=prices,
-            governor=Governor(settings, client, prices, replica_id), replica_id=replica_id,
+            governor=governor, replica_id=replica_id, guard=GuardStage(guardrails),
             redis_ping=RedisPing(settings.redis_url),
             key_check=KeyCheck(client, settings.key_check_ttl_s, settings.key_check_cache_size))
         tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes, token=token)),
                  asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
-                 asyncio.create_task(reaper.run())]
+                 asyncio.create_task(reaper.run()), asyncio.create_task(guardrails.follow())]
         try:
             yield
         finally:
@@ -93,6 +98,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
+    app.include_router(guardrails_admin_router)
     app.include_router(health_router)  # /livez, /readyz, /healthz (= /readyz)
     install_openapi(app)
 

@@ -44,6 +44,9 @@ class GatewaySettings(ServiceSettings):
                            description="Redis holding virtual keys, budgets, rate limits and cost records.")
     redis_max_connections: int = Field(default=64, ge=1,
                                        description="Redis connections per gateway process (calls wait beyond).")
+    guardrail_refresh_s: float = Field(default=0.5, gt=0,
+                                       description="How often this replica checks Redis for changed guardrail "
+                                                   "policies (one GET of a version counter).")
     price_refresh_s: float = Field(default=60.0, gt=0,
                                    description="How often the price watch is re-opened with a full snapshot (a "
                                                "resync; changes reach the gateway at once on the watch).")

@@ -14,6 +14,7 @@ from examlops.svc import RouteTable
 
 from ._settings import GatewaySettings
 from .governance import Governor, KeyCheck, PriceBook
+from .guardrails import GuardStage
 
 if TYPE_CHECKING:  # _health's routes read this state
     from ._health import RedisPing
@@ -34,3 +35,4 @@ class GatewayState:
     replica_id: str
     redis_ping: RedisPing        # readiness: does Redis answer (its own connection)
     key_check: KeyCheck          # a virtual key is valid before its body is read
+    guard: GuardStage            # the guardrail policies in force (refreshed from Redis)

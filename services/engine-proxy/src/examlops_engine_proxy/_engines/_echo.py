@@ -26,6 +26,18 @@ def _words(text: str) -> list[str]:
     return text.split()
 
 
+#: a test-only request field: stream the answer in pieces of this many characters instead of word by
+#: word (a match split across chunks, for the output guardrail's tests)
+PIECE_FIELD = "echo_piece_chars"
+
+
+def _pieces(words: list[str], piece_chars: object) -> list[str]:
+    if isinstance(piece_chars, int) and not isinstance(piece_chars, bool) and piece_chars > 0:
+        text = " ".join(words)
+        return [text[i:i + piece_chars] for i in range(0, len(text), piece_chars)]
+    return [w if i == 0 else " " + w for i, w in enumerate(words)]
+
+
 class EchoEngine:
     """Answers `echo: <last user text>`, one word per token, truncated to max_tokens."""
 
@@ -70,9 +82,9 @@ class EchoEngine:
             yield pb.GenerateChunk(data=orjson.dumps(obj), final=True, usage=usage_pb)
             return
         kind = "chat.completion.chunk" if chat else "text_completion"
-        for i, word in enumerate(words):
-            piece = word if i == 0 else " " + word
-            last = i == len(words) - 1
+        pieces = _pieces(words, gen.body.get(PIECE_FIELD))
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
             if chat:
                 delta: dict[str, Any] = {"content": piece}
                 if i == 0:
@@ -81,11 +93,12 @@ class EchoEngine:
             else:
                 choice = {"index": 0, "text": piece, "finish_reason": finish if last else None, "logprobs": None}
             obj = {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [choice]}
-            so_far = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1, "total_tokens": prompt_tokens + i + 1}
+            made = min(i + 1, len(words))
+            so_far = {"prompt_tokens": prompt_tokens, "completion_tokens": made, "total_tokens": prompt_tokens + made}
             if gen.want_usage_stats:
                 obj["usage"] = so_far
             yield pb.GenerateChunk(data=orjson.dumps(obj), usage=pb.Usage(prompt_tokens=prompt_tokens,
-                                                                          completion_tokens=i + 1))
+                                                                          completion_tokens=made))
         tail = b""
         if gen.want_usage_chunk:
             tail = orjson.dumps({"id": rid, "object": kind, "created": created, "model": self.model,

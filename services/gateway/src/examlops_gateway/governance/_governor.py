@@ -74,6 +74,8 @@ class Ticket:
     started: float
     ttft_s: float = 0.0
     settled: bool = False
+    guardrails: tuple[str, ...] = ()   # the key's guardrail policies (guardrails/ adds the endpoint's)
+    guarded: str = ""                  # what the guardrails did (their header's value), for the cost record
 
     def first_chunk(self) -> None:
         self.ttft_s = time.perf_counter() - self.started
@@ -140,7 +142,8 @@ class Ticket:
             res_id=self.res_id, cost_micro=cost, prompt_tokens=prompt, completion_tokens=completion,
             key_id=self.caller.key_id, model=self.model, status=status,
             latency_ms=round((time.perf_counter() - self.started) * 1000, 2), ttft_ms=round(self.ttft_s * 1000, 2),
-            stream=self.stream, estimated=estimated, priced=self.price is not None, trim_ms=self.gov.trim_ms)
+            stream=self.stream, estimated=estimated, priced=self.price is not None, trim_ms=self.gov.trim_ms,
+            guarded=self.guarded)
         if not await self._record(args, retrying=False):
             # Retried while this process lives (settle.lua answers "duplicate" to a repeat); if it dies
             # first, the reaper charges the last progress note.
@@ -211,7 +214,8 @@ class Governor:
             body = with_max_tokens(raw, adm.max_tokens)
         return Ticket(gov=self, caller=caller, res_id=args.res_id, model=model, body=body, stream=req.stream,
                       price=price, prompt_bound=prompt, max_tokens=adm.max_tokens if adm.bounded else asked, n=n,
-                      reserved_micro=adm.reserved_micro, project=adm.project, started=started)
+                      reserved_micro=adm.reserved_micro, project=adm.project, started=started,
+                      guardrails=adm.guardrails)
 
     async def allowed_models(self, caller: Caller) -> set[str] | None:
         """None for the admin key; a virtual key's allow-list once the key checks out (else Denied)."""

@@ -7,7 +7,8 @@ holds the SHA-256 of the whole key (a slow hash buys nothing against a 256-bit s
 Every Redis key of one virtual key shares the hash tag `{vk:<id>}`, so the Lua scripts that touch
 them run on Redis Cluster too:
   {vk:<id>}:key   HASH    id, hash, tenant, project, models (",a,b,"), budget (micro-USD, -1: none),
-                          rpm, tpm (0: none), expires_ms, revoked_ms, created_ms (0: never);
+                          rpm, tpm (0: none), expires_ms, revoked_ms, created_ms (0: never),
+                          guardrails (",name," guardrail policies, see guardrails/_store.py);
                           spent, reserved (micro-USD), requests, prompt_tokens, completion_tokens,
                           reaped; rpm_tat, tpm_tat (GCRA state, ms)
   {vk:<id>}:res   HASH    open reservations (reserve.lua) and "reaped:<res_id>" markers (reap.lua)
@@ -76,11 +77,14 @@ class KeyLimits:
     rpm: int | None = None               # 0 removes the limit
     tpm: int | None = None
     expires_ms: int | None = None        # 0: never
+    guardrails: list[str] | None = None  # guardrail policy names ([] removes them)
 
     def fields(self) -> dict[str, str]:
         out: dict[str, str] = {}
         if self.models is not None:
             out["models"] = "," + ",".join(self.models) + ","
+        if self.guardrails is not None:
+            out["guardrails"] = "," + ",".join(self.guardrails) + "," if self.guardrails else ""
         for name, value in (("budget", self.budget_micro), ("rpm", self.rpm), ("tpm", self.tpm),
                             ("expires_ms", self.expires_ms)):
             if value is not None:
@@ -98,6 +102,7 @@ def public_row(f: dict[str, str], clock_ms: int) -> dict[str, Any]:
     return {
         "id": f["id"], "tenant": f.get("tenant", ""), "project": f.get("project", ""),
         "models": [m for m in f.get("models", "").split(",") if m],
+        "guardrails": [g for g in f.get("guardrails", "").split(",") if g],
         "budget": budget / MICRO if budget >= 0 else None,
         "spend": spent / MICRO,
         "remaining": max(budget - spent, 0) / MICRO if budget >= 0 else None,

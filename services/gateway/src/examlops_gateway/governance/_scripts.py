@@ -84,11 +84,12 @@ class SettleArgs:
     estimated: bool             # usage not reported by the engine
     priced: bool
     trim_ms: int                # trim cost records older than this (0: keep all)
+    guarded: str = ""           # what the guardrails did ('' : nothing fired)
 
     def argv(self) -> list[str | int | float]:
         return [self.res_id, self.cost_micro, self.prompt_tokens, self.completion_tokens, self.key_id, self.model,
                 self.status, self.latency_ms, self.ttft_ms, int(self.stream), int(self.estimated), int(self.priced),
-                self.trim_ms]
+                self.trim_ms, self.guarded]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,7 @@ class Admission:
     tenant: str
     project: str
     bounded: bool               # the key has a budget or a TPM: max_tokens must reach the engine
+    guardrails: tuple[str, ...] = ()  # the key's guardrail policies
 
     @classmethod
     def from_reply(cls, reply: Reply, key_id: str, model: str) -> Admission:
@@ -120,7 +122,7 @@ class Admission:
         if reply[0] != "ok":
             raise refusal(reply, key_id, model)
         return cls(max_tokens=int(reply[1]), reserved_micro=int(reply[2]), tenant=reply[3], project=reply[4],
-                   bounded=reply[5] == "1")
+                   bounded=reply[5] == "1", guardrails=tuple(n for n in reply[6].split(",") if n))
 
 
 def allowed_models(reply: Reply, key_id: str) -> set[str]:

@@ -29,6 +29,7 @@ from examlops.registry.v1 import registry_pb2 as reg
 
 from .._state import GatewayState
 from ..governance import GROUPS, MODEL_RE, KeyLimits, KeyStore, new_key, now_ms, public_row, spend_summary, usd_to_micro
+from ..guardrails import GuardrailStore, check_name
 from ._body import parse_body
 from ._deps import StateDep, require_admin
 from ._errors import OpenAIError, error_responses
@@ -48,6 +49,7 @@ class _Limits(BaseModel):
 
 
 class IssueKey(_Limits):
+    guardrails: list[str] = Field(default_factory=list, max_length=16, description="guardrail policy names")
     tenant: str = Field(min_length=1, max_length=128)
     project: str = Field(min_length=1, max_length=128)
     models: list[str] = Field(min_length=1, max_length=256)
@@ -55,9 +57,10 @@ class IssueKey(_Limits):
 
 class UpdateKey(_Limits):
     models: list[str] | None = Field(default=None, min_length=1, max_length=256)
+    guardrails: list[str] | None = Field(default=None, max_length=16, description="replaces them; [] removes all")
 
 
-def _json(obj: Any, status: int = 200) -> Response:
+def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
@@ -69,10 +72,20 @@ def _check(models: list[str] | None, expires_at: int | None) -> None:
         raise OpenAIError(400, "expires_at is in the past", code="invalid_value", param="expires_at")
 
 
-def _limits(body: _Limits, models: list[str] | None) -> KeyLimits:
+async def _guardrails(state: GatewayState, names: list[str] | None) -> list[str] | None:
+    """The key's guardrail policies, each of which must exist."""
+    store = GuardrailStore(state.redis)
+    for name in names or ():
+        if await store.get(check_name(name, "guardrails")) is None:
+            raise OpenAIError(400, f"no guardrail policy named {name!r} (exa gateway guardrail list)",
+                              code="invalid_value", param="guardrails")
+    return list(dict.fromkeys(names)) if names is not None else None
+
+
+def _limits(body: _Limits, models: list[str] | None, guardrails: list[str] | None = None) -> KeyLimits:
     """Only the fields the request set; null clears a limit."""
     sent = body.model_fields_set
-    out = KeyLimits(models=sorted(set(models)) if models is not None else None)
+    out = KeyLimits(models=sorted(set(models)) if models is not None else None, guardrails=guardrails)
     if "budget_usd" in sent:
         out.budget_micro = -1 if body.budget_usd is None else usd_to_micro(body.budget_usd)
     if "rpm" in sent:
@@ -84,10 +97,11 @@ def _limits(body: _Limits, models: list[str] | None) -> KeyLimits:
     return out
 
 
-async def _audit(state: GatewayState, request: Request, action: str, key_id: str,
-                 before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+async def audit(state: GatewayState, request: Request, action: str, target: str,
+                before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
+    """The registry's audit event for a change, written before the change (503 when it cannot be)."""
     actor = request.headers.get("x-examlops-actor") or "admin"
-    event = reg.AuditEvent(actor=actor, action=action, target=f"key:{key_id}",
+    event = reg.AuditEvent(actor=actor, action=action, target=target,
                            before_json=orjson.dumps(before).decode() if before else "",
                            after_json=orjson.dumps(after).decode() if after else "", time_ms=now_ms())
     try:
@@ -109,12 +123,12 @@ async def issue_key(request: Request, state: StateDep) -> Response:
     _, body = await parse_body(request, _ADMIN_BODY_LIMIT, IssueKey)
     _check(body.models, body.expires_at)
     key_id, token = new_key()
-    limits = _limits(body, body.models)
+    limits = _limits(body, body.models, await _guardrails(state, body.guardrails))
     store = KeyStore(state.redis)
     clock = await store.clock_ms()
     preview = public_row({"id": key_id, "tenant": body.tenant, "project": body.project, "created_ms": str(now_ms()),
                           **limits.fields()}, clock)
-    await _audit(state, request, "key.issue", key_id, None, preview)
+    await audit(state, request, "key.issue", f"key:{key_id}", None, preview)
     try:
         await state.registry.AttributeResource(reg.AttributeResourceRequest(
             resource=reg.ProjectResource(project=body.project, kind="virtual_key", name=key_id),
@@ -123,7 +137,7 @@ async def issue_key(request: Request, state: StateDep) -> Response:
         raise OpenAIError(503, f"cannot attribute the key to project {body.project!r} ({exc.code().name})",
                           type="service_unavailable", code="registry_unavailable") from None
     record = await store.create(key_id, token, body.tenant, body.project, limits)
-    return _json({"virtual_key": token, **public_row(record, clock)}, 201)
+    return json_response({"virtual_key": token, **public_row(record, clock)}, 201)
 
 
 @router.get("/keys")
@@ -133,13 +147,13 @@ async def list_keys(state: StateDep, include_revoked: bool = False) -> Response:
     rows = [public_row(f, clock) for f in await store.all()]
     rows = [r for r in rows if include_revoked or r["state"] != "revoked"]
     rows.sort(key=lambda r: (r["tenant"], r["project"], r["created_at"], r["id"]))
-    return _json({"object": "list", "data": rows})
+    return json_response({"object": "list", "data": rows})
 
 
 @router.get("/keys/{key_id}")
 async def get_key(state: StateDep, key_id: str) -> Response:
     store = KeyStore(state.redis)
-    return _json(public_row(await _existing(store, key_id), await store.clock_ms()))
+    return json_response(public_row(await _existing(store, key_id), await store.clock_ms()))
 
 
 @router.patch("/keys/{key_id}", openapi_extra=parsed_body(UpdateKey))
@@ -148,14 +162,14 @@ async def update_key(request: Request, state: StateDep, key_id: str) -> Response
     _check(body.models, body.expires_at)
     store = KeyStore(state.redis)
     before = await _existing(store, key_id)
-    fields = _limits(body, body.models).fields()
+    fields = _limits(body, body.models, await _guardrails(state, body.guardrails)).fields()
     if not fields:
-        raise OpenAIError(400, "nothing to change: give budget_usd, rpm, tpm, models or expires_at",
+        raise OpenAIError(400, "nothing to change: give budget_usd, rpm, tpm, models, guardrails or expires_at",
                           code="invalid_value")
     clock = await store.clock_ms()
-    await _audit(state, request, "key.update", key_id, public_row(before, clock),
+    await audit(state, request, "key.update", f"key:{key_id}", public_row(before, clock),
                  public_row({**before, **fields}, clock))
-    return _json(public_row(await store.update(key_id, fields), clock))
+    return json_response(public_row(await store.update(key_id, fields), clock))
 
 
 @router.post("/keys/{key_id}/revoke")
@@ -163,11 +177,11 @@ async def revoke_key(request: Request, state: StateDep, key_id: str) -> Response
     store = KeyStore(state.redis)
     before, clock = await _existing(store, key_id), await store.clock_ms()
     if int(before.get("revoked_ms", "0")):
-        return _json(public_row(before, clock))
+        return json_response(public_row(before, clock))
     fields = {"revoked_ms": str(now_ms())}
-    await _audit(state, request, "key.revoke", key_id, public_row(before, clock),
+    await audit(state, request, "key.revoke", f"key:{key_id}", public_row(before, clock),
                  public_row({**before, **fields}, clock))
-    return _json(public_row(await store.update(key_id, fields), clock))
+    return json_response(public_row(await store.update(key_id, fields), clock))
 
 
 @router.get("/spend")
@@ -176,12 +190,12 @@ async def spend(state: StateDep, group_by: str = "key", since: int = 0) -> Respo
     if group_by not in GROUPS:
         raise OpenAIError(400, f"group_by must be one of {', '.join(GROUPS)}", code="invalid_value", param="group_by")
     ids = await KeyStore(state.redis).ids()
-    return _json({"object": "list", "group_by": group_by,
+    return json_response({"object": "list", "group_by": group_by,
                   "data": await spend_summary(state.redis, ids, group_by, since * 1000)})
 
 
 @router.get("/prices")
 async def prices(state: StateDep) -> Response:
-    return _json({"object": "list", "synced": state.prices.synced.is_set(), "data": [
+    return json_response({"object": "list", "synced": state.prices.synced.is_set(), "data": [
         {"model": m, "input_per_mtok": p.input_micro_per_mtok / 1e6, "output_per_mtok": p.output_micro_per_mtok / 1e6}
         for m, p in sorted(state.prices.prices.items())]})

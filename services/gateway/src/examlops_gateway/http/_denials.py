@@ -9,6 +9,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from ..governance import MICRO, Denied, GovernanceUnavailable
+from ..guardrails import HEADER, GuardrailBlocked, PolicyError
 from ._errors import OpenAIError, from_validation
 
 _NO_RETRY = {"x-should-retry": "false"}
@@ -44,6 +45,13 @@ def from_denial(d: Denied) -> OpenAIError:
                        headers={"Retry-After": str(d.retry_after_s)})
 
 
+def from_block(b: GuardrailBlocked) -> OpenAIError:
+    """A guardrail's block: 400 guardrail_blocked naming policy, detector and entity (never the text);
+    `param` names the prompt's message or part on input."""
+    return OpenAIError(400, str(b), code="guardrail_blocked", param=b.param if b.direction == "input" else None,
+                       headers={**_NO_RETRY, HEADER: f"{b.policy}/{b.detector}/{b.entity}/block=1"})
+
+
 def governance_unavailable(exc: GovernanceUnavailable) -> OpenAIError:
     return OpenAIError(503, f"the governance store (Redis) is unavailable: {exc.cause_name}",
                        type="service_unavailable", code="governance_unavailable")
@@ -57,6 +65,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def denied(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, Denied)
         return from_denial(exc).response()
+
+    async def blocked(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GuardrailBlocked)
+        return from_block(exc).response()
+
+    async def bad_policy(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, PolicyError)
+        return OpenAIError(400, str(exc), code="invalid_value", param=exc.field).response()
 
     async def unavailable(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, GovernanceUnavailable)
@@ -78,6 +94,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(Denied, denied)
     app.add_exception_handler(GovernanceUnavailable, unavailable)
+    app.add_exception_handler(GuardrailBlocked, blocked)
+    app.add_exception_handler(PolicyError, bad_policy)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)

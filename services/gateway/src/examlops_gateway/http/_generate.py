@@ -21,7 +21,9 @@ from examlops.svc import RouteTable, unroutable_reason
 
 from .._state import GatewayState
 from ..governance import Ticket
+from ..guardrails import Guard, GuardedCall, GuardrailBlocked
 from ._delivered import Delivered
+from ._denials import from_block
 from ._errors import OpenAIError, from_grpc
 
 if TYPE_CHECKING:  # structured output's hook on a stream
@@ -53,12 +55,16 @@ async def route(routes: RouteTable, ticket: Ticket) -> None:
     raise err
 
 
-async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: CheckedStream | None = None) -> Response:
+async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: CheckedStream | None = None,
+                   guard: Guard | None = None) -> Response:
     """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves).
-    `checked`: a stream's structured-output check (_structured.py)."""
+    `checked`: a stream's structured-output check (_structured.py); `guard`: the call's output
+    guardrail (guardrails/), which rewrites or blocks the engine's chunks as they are read."""
     model = ticket.model
     request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body)  # type: ignore[arg-type]
     call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
+    if guard is not None:
+        call = GuardedCall(call, guard, ticket)  # output guardrail: the chunks are read through it
     start = time.perf_counter()
     try:
         first = await call.read()
@@ -67,6 +73,10 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
         REQUESTS.labels(model, str(err.status)).inc()
         await ticket.settle(str(err.status))
         raise err from None
+    except GuardrailBlocked as exc:  # the output guardrail blocked a whole answer: charge what was made
+        REQUESTS.labels(model, "400").inc()
+        await ticket.settle("400", *_made(exc))
+        raise
     except BaseException:
         call.cancel()
         ticket.settle_later(CLIENT_GONE)
@@ -80,6 +90,8 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
         raise OpenAIError(502, f"endpoint:{model} returned nothing", type="AllBackendsFailed",
                           code="all_backends_failed")
     headers = _notice_headers(first)
+    if guard is not None and guard.fired:
+        headers = {**(headers or {}), **guard.headers()}
     REQUESTS.labels(model, "200").inc()
     if not ticket.stream:
         return _SettledAnswer(first, ticket, headers)
@@ -122,6 +134,13 @@ class _SettledStream(StreamingResponse):
                 self.ticket.settle_later(CLIENT_GONE, made.usage, made.beyond)
 
 
+def _made(exc: GuardrailBlocked) -> tuple[pb.Usage | None, int | None]:
+    """What a blocked answer made (its usage), or its bound when the engine gave none."""
+    if exc.produced is not None and exc.produced.HasField("usage"):
+        return exc.produced.usage, 0
+    return None, None
+
+
 def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
     """What engine-proxy wants the client to know (dropped media, a degraded engine)."""
     if not first.media_parts_dropped and not first.warnings:
@@ -157,6 +176,11 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
         except grpc.aio.AioRpcError as exc:
             err = from_grpc(exc, ticket.model, admin=ticket.caller.admin)
             status, error = str(err.status), b"data: " + orjson.dumps(err.body()) + b"\n\n"
+        except GuardrailBlocked as exc:  # the output guardrail: end the stream with an error event
+            call.cancel()
+            if exc.produced is not None:
+                sent.add(exc.produced)
+            status, error = "400", b"data: " + orjson.dumps(from_block(exc).body()) + b"\n\n"
         if checked is not None and not error:  # structured output: the held last chunks, or an error event
             released, status, error = checked.end(status)
             if released:

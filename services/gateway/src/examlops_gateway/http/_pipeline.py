@@ -3,7 +3,8 @@
 Each stage lives in its wing: auth (_deps.caller, resolved by FastAPI before the handler runs,
 then governance.KeyCheck: a virtual key must exist and be valid before its body is read), parse
 (_body), admit (governance: key, allow-list, rate limits, budget reservation, one Redis round trip),
-route and generate (_generate), settle (governance.Ticket, called by the response when the answer
+guard (guardrails.GuardStage: the input scan; its Guard watches the answer too), route and
+generate (_generate), settle (governance.Ticket, called by the response when the answer
 ends, however it ends: one Redis round trip). Structured output (_structured) checks a
 response_format's schema at parse and the answers after generate, retrying an invalid whole answer
 through a new admission.
@@ -35,7 +36,7 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
     check_request(req, caller.admin, state.settings.max_prompts)                 # parse: shapes we bound
     shape = structured_output(req, kind, s.structured_retries)                   # parse: response_format's schema
     ticket = await state.governor.admit(caller, req, raw, started)               # admit
-    # guard: an input guardrail (guardrails/) checks `ticket` here, before any engine call
+    guard = await state.guard.check_input(ticket)                                # guard: before any engine call
     # cache: a response-cache lookup (cache/) may answer here, settling `ticket` itself
     await route(state.routes, ticket)                                            # route
-    return await generate_checked(state, kind, ticket, req, shape)               # generate → check → settle
+    return await generate_checked(state, kind, ticket, req, shape, guard)        # generate → check → settle

@@ -15,6 +15,7 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 from .._state import GatewayState
 from ..governance import Denied, Ticket
+from ..guardrails import Guard
 from ..structured import VERDICT_HEADER, SchemaRefused, StreamCheck, StructuredOutput
 from ._errors import OpenAIError
 from ._generate import _SettledAnswer, generate, route
@@ -66,19 +67,19 @@ class CheckedStream:
 
 
 async def generate_checked(state: GatewayState, kind: int, ticket: Ticket, req: GenerationRequest,
-                           shape: StructuredOutput | None) -> Response:
+                           shape: StructuredOutput | None, guard: Guard | None = None) -> Response:
     """generate, and with a contract, its check. An invalid whole answer settles its own attempt
     (STATUS_INVALID) and is tried again on the same route, with the body the engine got, through a
     new admission (budgets and rate limits hold for every attempt), up to `shape.retries` times."""
     if shape is None:
-        return await generate(state, kind, ticket)
+        return await generate(state, kind, ticket, guard=guard)
     if ticket.stream:
-        stream = await generate(state, kind, ticket, CheckedStream(shape.stream_check()))
+        stream = await generate(state, kind, ticket, CheckedStream(shape.stream_check()), guard=guard)
         stream.headers[VERDICT_HEADER] = "deferred"  # the verdict is the stream's last event
         return stream
     attempt, why_no_retry = 0, ""
     while True:
-        answer = await generate(state, kind, ticket)
+        answer = await generate(state, kind, ticket, guard=guard)
         assert isinstance(answer, _SettledAnswer)
         failure = shape.check_answer(bytes(answer.body))
         if failure is None:

@@ -54,7 +54,7 @@ end
 -- Append one cost record (settle.lua, reap.lua) to `stream`, trimming records older than
 -- `trim_ms` (0: keep all). `rec` names every field of COST_FIELDS.
 local COST_FIELDS = {'model', 'key', 'tenant', 'project', 'prompt_tokens', 'completion_tokens', 'cost_micro_usd',
-                     'latency_ms', 'ttft_ms', 'status', 'stream', 'estimated', 'priced', 'late'}
+                     'latency_ms', 'ttft_ms', 'status', 'stream', 'estimated', 'priced', 'late', 'guarded'}
 local function append_cost(stream, trim_ms, now, rec)
   local args = {'XADD', stream}
   if num(trim_ms) > 0 then
@@ -65,7 +65,7 @@ local function append_cost(stream, trim_ms, now, rec)
   args[#args + 1] = '*'
   for _, name in ipairs(COST_FIELDS) do
     args[#args + 1] = name
-    args[#args + 1] = rec[name]
+    args[#args + 1] = rec[name] or ''  -- a record from before a field existed (reap.lua) leaves it empty
   end
   return redis.call(unpack(args))
 end

@@ -10,13 +10,13 @@
 --       5 prompt tokens, an upper bound    6 prompt tokens x input micro-USD per Mtok
 --       7 n x output micro-USD per Mtok    8 n (choices)       9 max_tokens asked (0: none)
 --      10 max_tokens when none is asked and the key is bounded  11 priced (1/0)  12 lease in ms
--- Returns {"ok", max_tokens, reserved micro-USD, tenant, project, bounded (1/0)}
+-- Returns {"ok", max_tokens, reserved micro-USD, tenant, project, bounded (1/0), guardrails (",a,b,")}
 --      or {"deny", code, detail}         (decoded by _scripts.Admission.from_reply)
 -- Money is integer micro-USD.
 
 -- num(), int(), now_ms(), check_key() and reservation() come from _prelude.lua.
 local f = redis.call('HMGET', KEYS[1], KEY_FIELDS[1], KEY_FIELDS[2], KEY_FIELDS[3], KEY_FIELDS[4], 'budget',
-                     'spent', 'reserved', 'rpm', 'rpm_tat', 'tpm', 'tpm_tat', 'tenant', 'project')
+                     'spent', 'reserved', 'rpm', 'rpm_tat', 'tpm', 'tpm_tat', 'tenant', 'project', 'guardrails')
 local now = now_ms()
 local refused = check_key(f, ARGV[1], ARGV[2], now)
 if refused then return refused end
@@ -26,7 +26,7 @@ local seen = redis.call('HGET', KEYS[2], ARGV[3])
 if seen then
   local r = reservation(seen)
   local bounded = (num(f[5]) >= 0 or num(f[10]) > 0) and '1' or '0'
-  return {'ok', r.max_tokens, int(r.cost), f[12] or '', f[13] or '', bounded}
+  return {'ok', r.max_tokens, int(r.cost), f[12] or '', f[13] or '', bounded, f[14] or ''}
 end
 
 local budget, rpm, tpm = num(f[5]), num(f[8]), num(f[10])
@@ -85,4 +85,4 @@ if tpm > 0 then redis.call('HSET', KEYS[1], 'tpm_tat', string.format('%.3f', tpm
 if cost > 0 then redis.call('HINCRBY', KEYS[1], 'reserved', int(cost)) end
 redis.call('HSET', KEYS[2], ARGV[3], table.concat({int(cost), int(tokens), string.format('%.6f', per_token),
   string.format('%.3f', tpm_tat), ARGV[4], int(now + num(ARGV[12])), ARGV[2], int(m)}, '|'))
-return {'ok', int(m), int(cost), f[12] or '', f[13] or '', bounded and '1' or '0'}
+return {'ok', int(m), int(cost), f[12] or '', f[13] or '', bounded and '1' or '0', f[14] or ''}
