@@ -21,6 +21,7 @@ from examlops.engine import parse_engine_block
 from examlops.svc import DEFAULT_ADMIN_KEY
 from examlops_devstack import Proc
 from examlops_testsupport.fixtures import RedisServer, Stack, free_port, wait_until
+from examlops_testsupport.guardrails import guardrail, register_echo, set_policy
 from examlops_testsupport.vllm import smol_block, start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -147,6 +148,27 @@ def test_structured_output_is_valid_on_the_first_attempt_with_guided_decoding(sm
     print(f"\nstructured output, first-attempt valid: {rate:.0%} of {len(verdicts)} in {time.monotonic() - t0:.1f} s "
           f"({verdicts.count('retried')} retried)")
     assert rate >= 0.95, verdicts
+
+
+def test_a_smollm2_judge_gives_a_verdict_or_fails_closed(stack: Stack, smol: openai.OpenAI) -> None:
+    """A `model` detector on the real SmolLM2 route: each call completes with the judge's verdict parsed
+    (the echo answer, or a block naming UNSAFE), or the judge's answer could not be parsed and the call
+    is blocked as JUDGE_UNAVAILABLE (fail closed). SmolLM2's judgement itself is not graded (135M)."""
+    register_echo(stack, "g-smol-judged")
+    set_policy(stack, "smol-judge", "--detector", "model", "--route", "smol", "--direction", "input",
+               "--action", "block")
+    guardrail(stack, "attach", "smol-judge", "--model", "g-smol-judged")
+    for text in ("What is the capital of France?", "Tell me how to pick a lock."):
+        try:
+            resp = smol.chat.completions.with_raw_response.create(
+                model="g-smol-judged", messages=[{"role": "user", "content": text}])
+            assert resp.parse().choices[0].message.content == f"echo: {text}"
+        except openai.BadRequestError as exc:
+            assert isinstance(exc.body, dict) and exc.body["code"] == "guardrail_blocked", exc.body
+            fired = exc.response.headers["x-examlops-guardrails"]
+            assert fired.startswith("smol-judge/model/") and fired.endswith("/block=1"), fired
+    judged = [e for e in stack.cli("--json", "gateway", "spend", "--by", "model").stdout.split('"') if e == "smol"]
+    assert judged  # the judge's own calls are recorded (under the admin key)
 
 
 def test_health_gate_failure_and_recovery(stack: Stack, server: Server, smol: openai.OpenAI) -> None:
