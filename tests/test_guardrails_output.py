@@ -80,10 +80,11 @@ def test_a_whole_answer_is_redacted_blocked_or_logged(stack: Stack) -> None:
 def test_an_email_split_across_stream_chunks_never_reaches_the_client(stack: Stack, piece: int) -> None:
     c = _endpoint(stack, "g-out-stream", "stream-redact", *_pii_out("redact"))
     filler = " ".join(f"w{i}" for i in range(100))  # longer than the pii window (254 characters)
-    say = f"{filler} {SAY} {filler}"
-    text, pieces, error = stream_text(c, "g-out-stream", say, **({"echo_piece_chars": piece} if piece else {}))
-    assert not error
-    assert text == f"echo: {say}".replace(EMAIL, "<EMAIL_ADDRESS>"), pieces
+    for shift in range(0, 64, 4):  # the email at every offset from where a scan falls
+        say = f"{'x' * shift + ' ' if shift else ''}{filler} {SAY} {filler}"
+        text, pieces, error = stream_text(c, "g-out-stream", say, **({"echo_piece_chars": piece} if piece else {}))
+        assert not error
+        assert text == f"echo: {say}".replace(EMAIL, "<EMAIL_ADDRESS>"), pieces
     assert all(EMAIL[i:i + 4] not in "".join(pieces) for i in range(len(EMAIL) - 4) if "@" in EMAIL[i:i + 4])
     if piece:
         assert len([p for p in pieces if p]) > 5  # released as it comes, not at the end only
