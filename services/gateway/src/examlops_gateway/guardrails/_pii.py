@@ -11,17 +11,27 @@ use: here it is replaced by one built from tldextract's bundled snapshot.
 
 Presidio's phone recognizer runs `phonenumbers`' matcher over the whole text once per region
 (~9 ms on a 2 KB prompt); here it runs only on windows around phone-shaped candidates (7 to 15
-digits with the usual separators), which gives the same findings in ~1 ms.
+digits with the usual separators), ~1 ms, with `phonenumbers`' STRICT_GROUPING leniency (digit
+groups must follow the region's format: drops ISBNs, dates, netmasks, order numbers). A number
+written as bare digits (no `+`, no separator) is a phone only after a context word (phone, call,
+tel, mobile, …) in the 40 characters before it: bare digit runs are mostly order, tracking and
+account numbers. Presidio's context enhancement needs the NLP engine; this is its cheap stand-in.
 
-A finding needs Presidio's score ≥ MIN_SCORE (after checksum validation): that drops the "very
-weak" SSN patterns (nine bare digits, `12345-6789`) that, without context words, are mostly order
-and account numbers, and checksum failures (score 0).
+Among the findings, one strictly inside a longer one is dropped (a Luhn-valid run inside an IBAN
+is not a card), and an IPv4 address that is part of a longer dotted number (`10.0.0.0.1`) is not one.
+
+A finding needs Presidio's score ≥ MIN_SCORE (after checksum validation), which drops checksum
+failures (score 0) and the "very weak" SSN patterns (nine bare digits, `12345-6789`): those are
+mostly order and account numbers, and count only after a context word (SSN, social security) in the
+40 characters before them. Presidio's card patterns miss Mastercard's 2221-2720 range; one pattern
+is added for it (validated by the same Luhn check).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ._detectors import Finding
@@ -35,6 +45,10 @@ MAX_CHARS = {"EMAIL_ADDRESS": 254, "PHONE_NUMBER": 32, "CREDIT_CARD": 24, "IBAN_
 
 
 PHONE_CANDIDATE = re.compile(r"(?<![\w+])\+?\(?\d[\d \t().\-/]{5,22}\d(?!\w)")
+PHONE_CONTEXT = re.compile(r"(?i)\b(?:phone|call|tel|telephone|mobile|cell|fax|sms|whatsapp|text me|ring)\b")
+SSN_CONTEXT = re.compile(r"(?i)\b(?:ssn|ss#|social security|social sec)")
+MASTERCARD_2_SERIES = r"\b2(?:2[2-9]\d|[3-6]\d\d|7[01]\d|720)[- ]?\d{4}[- ]?\d{4}[- ]?\d{4}\b"
+DOTTED_NEIGHBOUR = re.compile(r"\d\.$|^\.\d")
 
 
 def _spacy_model() -> str | None:
@@ -46,6 +60,7 @@ PII_ENTITIES = PATTERN_ENTITIES + (("PERSON",) if _spacy_model() else ())
 
 def _recognizers(entities: tuple[str, ...]) -> list[Any]:
     import tldextract
+    from presidio_analyzer import Pattern
     from presidio_analyzer.predefined_recognizers import (
         CreditCardRecognizer,
         EmailRecognizer,
@@ -65,17 +80,29 @@ def _recognizers(entities: tuple[str, ...]) -> list[Any]:
         def analyze(self, text: str, entities: list[str], nlp_artifacts: Any = None) -> list[Any]:
             results = []
             for m in PHONE_CANDIDATE.finditer(text):
-                if 7 <= sum(c.isdigit() for c in m.group()) <= 15:
+                bare = m.group().isdigit()
+                if 7 <= sum(c.isdigit() for c in m.group()) <= 15 and \
+                        (not bare or PHONE_CONTEXT.search(text, max(0, m.start() - 40), m.start())):
                     start = max(0, m.start() - 1)
                     for r in super().analyze(text[start:m.end() + 1], entities, nlp_artifacts):
                         r.start, r.end = r.start + start, r.end + start
                         results.append(r)
             return results
 
-    by_entity = {"EMAIL_ADDRESS": OfflineEmailRecognizer, "PHONE_NUMBER": CandidatePhoneRecognizer,
-                 "CREDIT_CARD": CreditCardRecognizer, "IBAN_CODE": IbanRecognizer, "IP_ADDRESS": IpRecognizer,
-                 "US_SSN": UsSsnRecognizer}
+    card_patterns = [*CreditCardRecognizer.PATTERNS, Pattern("Mastercard 2-series", MASTERCARD_2_SERIES, 0.3)]
+    by_entity: dict[str, Callable[[], Any]] = {
+        "EMAIL_ADDRESS": OfflineEmailRecognizer, "PHONE_NUMBER": lambda: CandidatePhoneRecognizer(leniency=2),
+        "CREDIT_CARD": lambda: CreditCardRecognizer(patterns=card_patterns), "IBAN_CODE": IbanRecognizer,
+        "IP_ADDRESS": IpRecognizer, "US_SSN": UsSsnRecognizer}
     return [by_entity[e]() for e in entities if e in by_entity]
+
+
+def _keep(text: str, entity: str, start: int, end: int, spans: list[tuple[int, int]]) -> bool:
+    """False for a finding strictly inside a longer one, and for an IPv4 inside a longer dotted number."""
+    if any(s <= start and end <= e and e - s > end - start for s, e in spans):
+        return False
+    return not (entity == "IP_ADDRESS" and (DOTTED_NEIGHBOUR.search(text[max(0, start - 2):start])
+                                           or DOTTED_NEIGHBOUR.search(text[end:end + 2])))
 
 
 class _PersonRecognizer:
@@ -111,8 +138,12 @@ class PiiDetector:
         for recognizer in self._recognizers:
             for r in recognizer.analyze(text, list(self.entities), None):
                 key = (r.entity_type, r.start, r.end)
-                if r.score >= MIN_SCORE and r.entity_type in self.entities and r.score > found.get(key, -1.0):
+                if r.entity_type in self.entities and r.score > found.get(key, -1.0) and (r.score >= MIN_SCORE or (
+                        r.entity_type == "US_SSN" and r.score > 0
+                        and SSN_CONTEXT.search(text, max(0, r.start - 40), r.start))):
                     found[key] = r.score
+        spans = [(s, e) for _, s, e in found]
         ordered = sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][2]))
-        return [Finding("pii", entity, start, end, score) for (entity, start, end), score in ordered]
+        return [Finding("pii", entity, start, end, score) for (entity, start, end), score in ordered
+                if _keep(text, entity, start, end, spans)]
 

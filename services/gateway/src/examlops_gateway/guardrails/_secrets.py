@@ -20,6 +20,7 @@ releases a whole secret (GUARDRAILS.md).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -38,10 +39,11 @@ FORMATS = {
     "PRIVATE_KEY": r"-----(?:BEGIN|END) (?:[A-Z0-9]{1,12} ){0,3}PRIVATE KEY(?: BLOCK)?-----",
 }
 ASSIGNMENT = re.compile(
-    r"(?i)\b(?:password|passwd|pwd|passphrase|secret|client[_-]?secret|api[_-]?key|apikey|access[_-]?key"
+    r"(?i)(?<![a-z])(?:password|passwd|pwd|passphrase|secret|client[_-]?secret|api[_-]?key|apikey|access[_-]?key"
     r"|secret[_-]?key|access[_-]?token|auth[_-]?token|token)[\"']?\s{0,3}[:=]\s{0,3}[\"']?([^\s\"',;]{6,128})")
 PLACEHOLDER = re.compile(r"^(?:[A-Z0-9_-]+|\*+|x+|<[^>]*>?|\$\{?\w+\}?|\{\{.*|%\(?\w+.*|\.\.\.)$")
 TOKEN = re.compile(r"(?<![A-Za-z0-9+/=_-])[A-Za-z0-9+/=_-]{20,512}")
+MAX_LOWER_PAIRS = 0.42
 HEX = re.compile(r"^[0-9a-fA-F-]+$")
 SECRET_ENTITIES = (*FORMATS, "SECRET_ASSIGNMENT", "HIGH_ENTROPY")
 
@@ -56,6 +58,8 @@ def is_high_entropy(token: str) -> bool:
     if HEX.match(token):
         return False
     if not (any(c.isupper() for c in token) and any(c.islower() for c in token) and any(c.isdigit() for c in token)):
+        return False
+    if sum(a.islower() and b.islower() for a, b in itertools.pairwise(token)) > MAX_LOWER_PAIRS * (len(token) - 1):
         return False
     return shannon_entropy(token) >= min(0.82 * math.log2(len(token)), 4.6)
 
@@ -77,9 +81,14 @@ class SecretsDetector:
         found = [Finding("secrets", e, m.start(), m.end()) for e, rx in self._formats for m in rx.finditer(text)]
         if "SECRET_ASSIGNMENT" in self.entities:
             found += [Finding("secrets", "SECRET_ASSIGNMENT", m.start(1), m.end(1), 0.8)
-                      for m in ASSIGNMENT.finditer(text) if not PLACEHOLDER.match(m.group(1))]
+                      for m in ASSIGNMENT.finditer(text)
+                      if not PLACEHOLDER.match(m.group(1)) and _free(found, m.start(1), m.end(1))]
         if "HIGH_ENTROPY" in self.entities:
-            taken = [(f.start, f.end) for f in found]
             found += [Finding("secrets", "HIGH_ENTROPY", m.start(), m.end(), 0.6) for m in TOKEN.finditer(text)
-                      if not any(s < m.end() and m.start() < e for s, e in taken) and is_high_entropy(m.group())]
+                      if _free(found, m.start(), m.end()) and is_high_entropy(m.group())]
         return sorted(found, key=lambda f: (f.start, f.end))
+
+
+def _free(found: list[Finding], start: int, end: int) -> bool:
+    """Whether no finding so far overlaps [start, end): a more specific one wins."""
+    return not any(f.start < end and start < f.end for f in found)
