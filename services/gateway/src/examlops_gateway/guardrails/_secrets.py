@@ -42,7 +42,7 @@ ASSIGNMENT = re.compile(
     r"(?i)(?<![a-z])(?:password|passwd|pwd|passphrase|secret|client[_-]?secret|api[_-]?key|apikey|access[_-]?key"
     r"|secret[_-]?key|access[_-]?token|auth[_-]?token|token)[\"']?\s{0,3}[:=]\s{0,3}[\"']?([^\s\"',;]{6,128})")
 PLACEHOLDER = re.compile(r"^(?:[A-Z0-9_-]+|\*+|x+|<[^>]*>?|\$\{?\w+\}?|\{\{.*|%\(?\w+.*|\.\.\.)$")
-TOKEN = re.compile(r"(?<![A-Za-z0-9+/=_-])[A-Za-z0-9+/=_-]{20,512}")
+TOKEN = re.compile(r"[A-Za-z0-9+/=_-]{20,512}")   # a longer run is read as 512-character pieces
 MAX_LOWER_PAIRS = 0.42
 HEX = re.compile(r"^[0-9a-fA-F-]+$")
 SECRET_ENTITIES = (*FORMATS, "SECRET_ASSIGNMENT", "HIGH_ENTROPY")
