@@ -27,7 +27,7 @@ from ._store import Applied, GuardrailBook, Rule
 ACTIONS = Counter("examlops_gateway_guardrail_actions_total", "Guardrail findings acted on (or judge errors).",
                   ["policy", "detector", "action", "direction"])
 HEADER = "x-examlops-guardrails"
-OFFLOAD_CHARS = 16_384   # texts longer than this in all are scanned in a worker thread
+OFFLOAD_CHARS = 4_096    # texts longer than this in all are scanned in a worker thread (pii: ~3.6 ms at 4 KB)
 JUDGE_DOWN = "JUDGE_UNAVAILABLE"
 
 
