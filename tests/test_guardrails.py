@@ -64,6 +64,16 @@ def test_an_input_block_names_the_message_costs_nothing_and_leaves_no_text_in_lo
     assert ok.choices[0].message.content == "echo: ACME-44"
     log = (stack.workdir / "gateway.log").read_text()
     assert SECRET_ORDER not in log
+    key_id = key.split("-")[2]
+
+    def blocks() -> list[dict[str, object]]:
+        out = stack.cli("--json", "audit", "list", "--target", f"key:{key_id}")
+        return [e for e in json.loads(out.stdout) if e["action"] == "guardrail.block"]
+    wait_until(lambda: len(blocks()) == 3, 10, 0.1, "three guardrail.block audit events")  # the trail flags them
+    events = blocks()
+    assert SECRET_ORDER not in json.dumps(events)
+    assert {e["actor"] for e in events} == {"gateway"}, events
+    assert all('"policy":"orders"' in str(e["after_json"]) and "DENY_PATTERN" in str(e["after_json"]) for e in events)
 
 
 def test_a_redacted_prompt_reaches_the_engine_redacted_for_every_key_of_an_endpoint(stack: Stack) -> None:

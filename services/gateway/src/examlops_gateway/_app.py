@@ -27,7 +27,14 @@ from ._settings import GatewaySettings
 from ._state import GatewayState
 from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices
 from .guardrails import GuardrailBook, GuardStage, engine_proxy_ask
-from .http import admin_router, guardrails_admin_router, install_error_handlers, install_openapi, openai_router
+from .http import (
+    admin_router,
+    block_auditor,
+    guardrails_admin_router,
+    install_error_handlers,
+    install_openapi,
+    openai_router,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +79,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             settings=settings, routes=routes, engine_proxy=engine_proxy,
             channel=channel, admin_key=settings.admin_key.get_secret_value().encode(),
             registry=registry, registry_channel=registry_channel, redis=client, prices=prices,
-            governor=governor, replica_id=replica_id, guard=GuardStage(guardrails),
+            governor=governor, replica_id=replica_id,
+            guard=GuardStage(guardrails, on_block=block_auditor(registry, governor.background)),
             redis_ping=RedisPing(settings.redis_url),
             key_check=KeyCheck(client, settings.key_check_ttl_s, settings.key_check_cache_size))
         tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes, token=token)),

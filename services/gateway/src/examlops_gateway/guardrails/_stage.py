@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter as Tally
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -44,11 +45,15 @@ class GuardrailBlocked(Exception):
         self.produced = produced
 
 
+#: Told of every block (policy, detector, entity, direction) for the audit trail; must not block.
+OnBlock = Callable[[Ticket, str, str, str, str], None]
+
+
 class Guard:
     """The guardrails of one call: its rules, and the report of what fired."""
 
-    def __init__(self, applied: Applied, ticket: Ticket) -> None:
-        self.applied, self.ticket = applied, ticket
+    def __init__(self, applied: Applied, ticket: Ticket, on_block: OnBlock | None = None) -> None:
+        self.applied, self.ticket, self.on_block = applied, ticket, on_block
         self.fired: Tally[tuple[str, str, str, str, str]] = Tally()
 
     def report(self, rule: Rule, finding: Finding, direction: str, action: str | None = None) -> None:
@@ -56,6 +61,8 @@ class Guard:
         self.fired[(rule.policy, rule.entry.detector, finding.entity, action, direction)] += 1
         ACTIONS.labels(rule.policy, rule.entry.detector, action, direction).inc()
         self.ticket.guarded = self.header()
+        if action == "block" and self.on_block is not None:
+            self.on_block(self.ticket, rule.policy, rule.entry.detector, finding.entity, direction)
 
     def header(self) -> str:
         """`policy/detector/entity/action=count, …` (no matched text)."""
@@ -155,8 +162,8 @@ def _prompt_texts(body: dict[str, Any]) -> list[tuple[str, Any, Any]]:
 class GuardStage:
     """The stage object of the request path (see the module docstring)."""
 
-    def __init__(self, book: GuardrailBook) -> None:
-        self.book = book
+    def __init__(self, book: GuardrailBook, on_block: OnBlock | None = None) -> None:
+        self.book, self.on_block = book, on_block
 
     async def check_input(self, ticket: Ticket) -> Guard | None:
         """None when no policy applies; else the call's Guard, its body redacted where asked.
@@ -164,7 +171,7 @@ class GuardStage:
         applied = self.book.applied(ticket.guardrails, ticket.model)
         if applied is None:
             return None
-        guard = Guard(applied, ticket)
+        guard = Guard(applied, ticket, self.on_block)
         if not applied.input:
             return guard
         body = orjson.loads(ticket.body)

@@ -3,6 +3,7 @@ models and the one error shape (with governance's refusals mapped onto it)."""
 
 from ._admin import router as admin_router
 from ._admin_guardrails import router as guardrails_admin_router
+from ._audit import block_auditor
 from ._denials import install_error_handlers
 from ._deps import CallerDep, StateDep, require_admin
 from ._errors import ErrorResponse, OpenAIError
@@ -12,6 +13,7 @@ from ._protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = [
     "CallerDep", "ChatCompletionRequest", "CompletionRequest", "ErrorResponse", "OpenAIError", "StateDep",
-    "admin_router", "guardrails_admin_router", "install_error_handlers", "install_openapi", "openai_router",
+    "admin_router", "block_auditor", "guardrails_admin_router", "install_error_handlers", "install_openapi",
+    "openai_router",
     "require_admin",
 ]

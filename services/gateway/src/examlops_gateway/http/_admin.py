@@ -30,6 +30,7 @@ from examlops.registry.v1 import registry_pb2 as reg
 from .._state import GatewayState
 from ..governance import GROUPS, MODEL_RE, KeyLimits, KeyStore, new_key, now_ms, public_row, spend_summary, usd_to_micro
 from ..guardrails import GuardrailStore, check_name
+from ._audit import audit
 from ._body import parse_body
 from ._deps import StateDep, require_admin
 from ._errors import OpenAIError, error_responses
@@ -95,20 +96,6 @@ def _limits(body: _Limits, models: list[str] | None, guardrails: list[str] | Non
     if "expires_at" in sent:
         out.expires_ms = (body.expires_at or 0) * 1000
     return out
-
-
-async def audit(state: GatewayState, request: Request, action: str, target: str,
-                before: dict[str, Any] | None, after: dict[str, Any] | None) -> None:
-    """The registry's audit event for a change, written before the change (503 when it cannot be)."""
-    actor = request.headers.get("x-examlops-actor") or "admin"
-    event = reg.AuditEvent(actor=actor, action=action, target=target,
-                           before_json=orjson.dumps(before).decode() if before else "",
-                           after_json=orjson.dumps(after).decode() if after else "", time_ms=now_ms())
-    try:
-        await state.registry.RecordAuditEvent(reg.RecordAuditEventRequest(event=event), timeout=5)
-    except grpc.aio.AioRpcError as exc:
-        raise OpenAIError(503, f"the audit trail (registry) is unavailable ({exc.code().name}); nothing changed",
-                          type="service_unavailable", code="audit_unavailable") from None
 
 
 async def _existing(store: KeyStore, key_id: str) -> dict[str, str]:

@@ -26,7 +26,8 @@ from starlette.responses import Response
 
 from ..governance import MODEL_RE, KeyStore
 from ..guardrails import GuardrailStore, JudgeError, Policy, build_rules, check_name, parse_policy, split_names
-from ._admin import audit, json_response
+from ._admin import json_response
+from ._audit import audit
 from ._body import parse_body, read_body
 from ._deps import StateDep, require_admin
 from ._errors import OpenAIError, error_responses
