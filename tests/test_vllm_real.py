@@ -21,7 +21,15 @@ from examlops.engine import parse_engine_block
 from examlops.svc import DEFAULT_ADMIN_KEY
 from examlops_devstack import Proc
 from examlops_testsupport.fixtures import RedisServer, Stack, free_port, wait_until
-from examlops_testsupport.guardrails import guardrail, register_echo, set_policy
+from examlops_testsupport.guardrails import (
+    blocked,
+    client,
+    guardrail,
+    issue_key,
+    register_echo,
+    set_policy,
+    stream_text,
+)
 from examlops_testsupport.vllm import smol_block, start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -169,6 +177,34 @@ def test_a_smollm2_judge_gives_a_verdict_or_fails_closed(stack: Stack, smol: ope
             assert fired.startswith("smol-judge/model/") and fired.endswith("/block=1"), fired
     judged = [e for e in stack.cli("--json", "gateway", "spend", "--by", "model").stdout.split('"') if e == "smol"]
     assert judged  # the judge's own calls are recorded (under the admin key)
+
+
+def test_guardrails_in_both_directions_on_real_answers(stack: Stack, smol: openai.OpenAI) -> None:
+    """On the real model: an email in the prompt is redacted before vLLM sees it (the answer cannot
+    repeat it), an output deny-list every answer matches blocks whole and streamed answers without a
+    matched character reaching the client, and log only reports."""
+    set_policy(stack, "smol-in", "--detector", "pii", "--entities", "EMAIL_ADDRESS", "--direction", "input",
+               "--action", "redact")
+    for action in ("block", "log"):
+        set_policy(stack, f"smol-out-{action}", "--detector", "regex", "--pattern", "[A-Za-z]", "--direction",
+                   "output", "--action", action)
+    ask = [{"role": "user", "content": "Repeat exactly this address: jane.doe@example.com"}]
+    redacting = client(stack, issue_key(stack, "smol", "smol-in"))
+    resp = redacting.chat.completions.with_raw_response.create(model="smol", max_tokens=30, messages=ask)
+    assert "jane.doe@example.com" not in (resp.parse().choices[0].message.content or "")
+    assert resp.headers["x-examlops-guardrails"] == "smol-in/pii/EMAIL_ADDRESS/redact=1"
+    text, _, code = stream_text(redacting, "smol", ask[0]["content"], max_tokens=30)
+    assert "jane.doe@example.com" not in text and code == ""
+
+    blocking = client(stack, issue_key(stack, "smol", "smol-out-block"))
+    assert blocked(lambda: blocking.chat.completions.create(model="smol", max_tokens=16, messages=ask))
+    text, _, code = stream_text(blocking, "smol", "Say hello.", max_tokens=16)
+    assert code == "guardrail_blocked" and not any(ch.isalpha() for ch in text), text
+
+    logging_ = client(stack, issue_key(stack, "smol", "smol-out-log"))
+    resp = logging_.chat.completions.with_raw_response.create(model="smol", max_tokens=16, messages=ask)
+    assert resp.parse().choices[0].message.content
+    assert resp.headers["x-examlops-guardrails"].startswith("smol-out-log/regex/DENY_PATTERN/log=")
 
 
 def test_health_gate_failure_and_recovery(stack: Stack, server: Server, smol: openai.OpenAI) -> None:
