@@ -86,6 +86,7 @@ def test_sglang_engine_passes_structured_output_through(stack: Stack) -> None:
             client.chat.completions.create(model="sgl", messages=msgs,  # type: ignore[arg-type]
                                            extra_body={"structured_outputs": {"json": schema}})
             rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+            server.answers.append('{"a": 1}')  # the gateway validates the answer against the schema
             streamed = list(client.chat.completions.create(model="sgl", messages=msgs,  # type: ignore[arg-type]
                                                            response_format=rf, stream=True))  # type: ignore[arg-type]
         first, second, third = server.bodies
@@ -93,7 +94,7 @@ def test_sglang_engine_passes_structured_output_through(stack: Stack) -> None:
         assert json.loads(second["json_schema"]) == schema and "structured_outputs" not in second
         assert third["response_format"] == rf
         assert third["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
-        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "recorded"
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == '{"a": 1}'
         assert all(c.usage is None for c in streamed)  # the client did not ask for the usage chunk
     finally:
         server.close()
