@@ -127,10 +127,17 @@ def test_policies_are_validated_audited_and_refused_for_deletion_while_attached(
 
 
 def test_guardrail_test_prints_what_each_detector_finds(stack: Stack) -> None:
-    set_policy(stack, "probe", *REGEX_BLOCK, "--detector", "pii", "--direction", "both", "--action", "redact")
-    out = stack.cli("gateway", "guardrail", "test", "probe", "--text", f"{SECRET_ORDER} to ann@example.org")
+    set_policy(stack, "probe", *REGEX_BLOCK, "--detector", "pii", "--direction", "both", "--action", "redact",
+               "--detector", "model", "--route", "no-such-judge", "--direction", "input", "--action", "block")
+    text = f"{SECRET_ORDER} to ann@example.org"
+    out = stack.cli("gateway", "guardrail", "test", "probe", "--text", text)
     assert out.returncode == 0, out.stderr
     assert "DENY_PATTERN" in out.stdout and "0-9" in out.stdout and "EMAIL_ADDRESS" in out.stdout, out.stdout
+    rows = json.loads(stack.cli("--json", "gateway", "guardrail", "test", "probe", "--text", text).stdout)["results"]
+    assert rows[2]["skipped"] and not rows[2].get("error")  # no model is called by a test...
+    asked = json.loads(stack.cli("--json", "gateway", "guardrail", "test", "probe", "--text", text,
+                                 "--run-judges").stdout)["results"]
+    assert "JudgeError" in asked[2]["error"]  # ...unless asked to (this judge's route does not exist)
     listing = stack.cli("gateway", "guardrail", "list")
     assert "probe" in listing.stdout and "ACME" in listing.stdout
 

@@ -124,16 +124,20 @@ def guardrail_detach(name: Annotated[str, typer.Argument(help="Policy name.")],
 
 @app.command("test")
 def guardrail_test(name: Annotated[str, typer.Argument(help="Policy name.")],
-                   text: Annotated[str, typer.Option("--text", help="The text to scan.")]) -> None:
-    """What each detector of a policy finds in TEXT (entity, span, the matched text): no model is called unless
-    the policy has a model detector. Nothing is logged."""
-    out = admin_json("POST", f"/admin/guardrails/{name}/test", {"text": text})
+                   text: Annotated[str, typer.Option("--text", help="The text to scan.")],
+                   run_judges: Annotated[bool, typer.Option(
+                       "--run-judges", help="Also ask the policy's model detectors (calls their routes).")] = False,
+                   ) -> None:
+    """What each detector of a policy finds in TEXT (entity, span, the matched text), without calling a model:
+    model detectors are listed as skipped unless --run-judges. Nothing is logged."""
+    out = admin_json("POST", f"/admin/guardrails/{name}/test", {"text": text, "run_judges": run_judges})
     if Ctx.json:
         emit_json(out)
         return
     rows = [[r["index"], r["detector"], f["entity"], f"{f['start']}-{f['end']}", f["text"], r["action"]]
             for r in out["results"] for f in r["findings"]]
     rows += [[r["index"], r["detector"], "error", "", r["error"], ""] for r in out["results"] if r.get("error")]
+    rows += [[r["index"], r["detector"], "skipped", "", r["skipped"], ""] for r in out["results"] if r.get("skipped")]
     table(f"Guardrail {name}: findings", ["#", "detector", "entity", "span", "text", "action"], rows)
     if not rows:
         console.print("nothing found", highlight=False)

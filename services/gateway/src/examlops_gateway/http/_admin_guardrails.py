@@ -6,8 +6,8 @@
   DELETE /admin/guardrails/{name}          delete (refused while attached: detach it first)
   POST   /admin/guardrails/{name}/attach   `{"model": M}`: applies to every call of that endpoint
   POST   /admin/guardrails/{name}/detach   `{"model": M}`
-  POST   /admin/guardrails/{name}/test     `{"text": T}`: what each detector finds (spans; a judge only
-                                           if the policy has one)
+  POST   /admin/guardrails/{name}/test     `{"text": T}`: what each detector finds (spans); model
+                                           detectors are asked only with `"run_judges": true`
 
 Each change is written to the registry's audit trail first (guardrail.set, guardrail.delete,
 guardrail.attach, guardrail.detach; target guardrail:<name>), then to Redis, where every replica
@@ -45,6 +45,7 @@ class Attach(BaseModel):
 class TestText(BaseModel):
     model_config = ConfigDict(extra="forbid")
     text: str = Field(max_length=100_000)
+    run_judges: bool = Field(default=False, description="Also ask the policy's model detectors (calls their routes).")
 
 
 async def _existing(store: GuardrailStore, name: str) -> Policy:
@@ -142,6 +143,11 @@ async def test_policy(request: Request, state: StateDep, name: str) -> Response:
     for i, rule in enumerate(build_rules(policy, state.guard.book.ask)):
         e = rule.entry
         row: dict[str, Any] = {"index": i, "detector": e.detector, "direction": e.direction, "action": e.action}
+        if rule.detector is None and not body.run_judges:
+            row["skipped"] = "a model detector calls its route: run_judges asks it"
+            row["findings"] = []
+            rows.append(row)
+            continue
         try:
             found = rule.detector.scan(body.text) if rule.detector else await rule.judge.scan(body.text)  # type: ignore[union-attr]
         except JudgeError as exc:
