@@ -348,3 +348,211 @@ class ListProjectResourcesResponse(_message.Message):
     RESOURCES_FIELD_NUMBER: _ClassVar[int]
     resources: _containers.RepeatedCompositeFieldContainer[ProjectResource]
     def __init__(self, resources: _Optional[_Iterable[_Union[ProjectResource, _Mapping]]] = ...) -> None: ...
+
+class FileDigest(_message.Message):
+    __slots__ = ("path", "sha256", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    sha256: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class EvalResult(_message.Message):
+    __slots__ = ("perplexity", "task_score", "task_count", "suite", "target", "passed", "gate", "reason", "time_ms", "actor", "bom_sha256", "details_json")
+    PERPLEXITY_FIELD_NUMBER: _ClassVar[int]
+    TASK_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TASK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUITE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    GATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    BOM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    perplexity: float
+    task_score: float
+    task_count: int
+    suite: str
+    target: str
+    passed: bool
+    gate: str
+    reason: str
+    time_ms: int
+    actor: str
+    bom_sha256: str
+    details_json: str
+    def __init__(self, perplexity: _Optional[float] = ..., task_score: _Optional[float] = ..., task_count: _Optional[int] = ..., suite: _Optional[str] = ..., target: _Optional[str] = ..., passed: _Optional[bool] = ..., gate: _Optional[str] = ..., reason: _Optional[str] = ..., time_ms: _Optional[int] = ..., actor: _Optional[str] = ..., bom_sha256: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
+
+class ModelVersion(_message.Message):
+    __slots__ = ("name", "version", "path", "bom_json", "signature", "key_id", "parent", "quantization", "degraded", "degraded_reason", "project", "files", "evals", "aliases", "created_at_ms", "created_by", "bom_sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BOM_JSON_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    BOM_SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    path: str
+    bom_json: str
+    signature: str
+    key_id: str
+    parent: str
+    quantization: str
+    degraded: bool
+    degraded_reason: str
+    project: str
+    files: _containers.RepeatedCompositeFieldContainer[FileDigest]
+    evals: _containers.RepeatedCompositeFieldContainer[EvalResult]
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    created_at_ms: int
+    created_by: str
+    bom_sha256: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., path: _Optional[str] = ..., bom_json: _Optional[str] = ..., signature: _Optional[str] = ..., key_id: _Optional[str] = ..., parent: _Optional[str] = ..., quantization: _Optional[str] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ..., project: _Optional[str] = ..., files: _Optional[_Iterable[_Union[FileDigest, _Mapping]]] = ..., evals: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ..., aliases: _Optional[_Iterable[str]] = ..., created_at_ms: _Optional[int] = ..., created_by: _Optional[str] = ..., bom_sha256: _Optional[str] = ...) -> None: ...
+
+class TrustedKey(_message.Message):
+    __slots__ = ("key_id", "public_key_pem", "name", "added_at_ms", "added_by")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_PEM_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_BY_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    public_key_pem: str
+    name: str
+    added_at_ms: int
+    added_by: str
+    def __init__(self, key_id: _Optional[str] = ..., public_key_pem: _Optional[str] = ..., name: _Optional[str] = ..., added_at_ms: _Optional[int] = ..., added_by: _Optional[str] = ...) -> None: ...
+
+class RegisterModelVersionRequest(_message.Message):
+    __slots__ = ("version", "actor")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    version: ModelVersion
+    actor: str
+    def __init__(self, version: _Optional[_Union[ModelVersion, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class GetModelVersionRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ListModelVersionsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListModelVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[ModelVersion]
+    def __init__(self, versions: _Optional[_Iterable[_Union[ModelVersion, _Mapping]]] = ...) -> None: ...
+
+class RecordEvalRequest(_message.Message):
+    __slots__ = ("name", "version", "result", "actor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    result: EvalResult
+    actor: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., result: _Optional[_Union[EvalResult, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class PromoteRequest(_message.Message):
+    __slots__ = ("name", "version", "alias", "force", "reason", "actor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    alias: str
+    force: bool
+    reason: str
+    actor: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., alias: _Optional[str] = ..., force: _Optional[bool] = ..., reason: _Optional[str] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class AddTrustedKeyRequest(_message.Message):
+    __slots__ = ("key", "actor")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    key: TrustedKey
+    actor: str
+    def __init__(self, key: _Optional[_Union[TrustedKey, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class ListTrustedKeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTrustedKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[TrustedKey]
+    def __init__(self, keys: _Optional[_Iterable[_Union[TrustedKey, _Mapping]]] = ...) -> None: ...
+
+class RemoveTrustedKeyRequest(_message.Message):
+    __slots__ = ("key_id", "actor")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    actor: str
+    def __init__(self, key_id: _Optional[str] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class JudgeCalibration(_message.Message):
+    __slots__ = ("route", "agreement", "threshold", "samples", "set_sha256", "passed", "endpoint_fingerprint", "time_ms", "actor")
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SET_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    route: str
+    agreement: float
+    threshold: float
+    samples: int
+    set_sha256: str
+    passed: bool
+    endpoint_fingerprint: str
+    time_ms: int
+    actor: str
+    def __init__(self, route: _Optional[str] = ..., agreement: _Optional[float] = ..., threshold: _Optional[float] = ..., samples: _Optional[int] = ..., set_sha256: _Optional[str] = ..., passed: _Optional[bool] = ..., endpoint_fingerprint: _Optional[str] = ..., time_ms: _Optional[int] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class RecordJudgeCalibrationRequest(_message.Message):
+    __slots__ = ("calibration", "actor")
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    calibration: JudgeCalibration
+    actor: str
+    def __init__(self, calibration: _Optional[_Union[JudgeCalibration, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class GetJudgeCalibrationRequest(_message.Message):
+    __slots__ = ("route",)
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    route: str
+    def __init__(self, route: _Optional[str] = ...) -> None: ...

@@ -115,6 +115,56 @@ class RegistryStub:
                 request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesRequest.SerializeToString,
                 response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesResponse.FromString,
                 _registered_method=True)
+        self.RegisterModelVersion = channel.unary_unary(
+                '/examlops.registry.v1.Registry/RegisterModelVersion',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RegisterModelVersionRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+                _registered_method=True)
+        self.GetModelVersion = channel.unary_unary(
+                '/examlops.registry.v1.Registry/GetModelVersion',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.GetModelVersionRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+                _registered_method=True)
+        self.ListModelVersions = channel.unary_unary(
+                '/examlops.registry.v1.Registry/ListModelVersions',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListModelVersionsRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListModelVersionsResponse.FromString,
+                _registered_method=True)
+        self.RecordEval = channel.unary_unary(
+                '/examlops.registry.v1.Registry/RecordEval',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RecordEvalRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+                _registered_method=True)
+        self.Promote = channel.unary_unary(
+                '/examlops.registry.v1.Registry/Promote',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+                _registered_method=True)
+        self.AddTrustedKey = channel.unary_unary(
+                '/examlops.registry.v1.Registry/AddTrustedKey',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.AddTrustedKeyRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.TrustedKey.FromString,
+                _registered_method=True)
+        self.ListTrustedKeys = channel.unary_unary(
+                '/examlops.registry.v1.Registry/ListTrustedKeys',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListTrustedKeysRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListTrustedKeysResponse.FromString,
+                _registered_method=True)
+        self.RemoveTrustedKey = channel.unary_unary(
+                '/examlops.registry.v1.Registry/RemoveTrustedKey',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveTrustedKeyRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.TrustedKey.FromString,
+                _registered_method=True)
+        self.RecordJudgeCalibration = channel.unary_unary(
+                '/examlops.registry.v1.Registry/RecordJudgeCalibration',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RecordJudgeCalibrationRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.JudgeCalibration.FromString,
+                _registered_method=True)
+        self.GetJudgeCalibration = channel.unary_unary(
+                '/examlops.registry.v1.Registry/GetJudgeCalibration',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.GetJudgeCalibrationRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.JudgeCalibration.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -222,6 +272,68 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterModelVersion(self, request, context):
+        """Model versions: register (signature and BOM checked), read, evals, aliases, trusted keys.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModelVersions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordEval(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Promote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddTrustedKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTrustedKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveTrustedKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordJudgeCalibration(self, request, context):
+        """Judge routes: a calibration is recorded per route; `exa serve challenger judge` reads it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJudgeCalibration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -304,6 +416,56 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.ListProjectResources,
                     request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesRequest.FromString,
                     response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesResponse.SerializeToString,
+            ),
+            'RegisterModelVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterModelVersion,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RegisterModelVersionRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.SerializeToString,
+            ),
+            'GetModelVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelVersion,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.GetModelVersionRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.SerializeToString,
+            ),
+            'ListModelVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModelVersions,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListModelVersionsRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListModelVersionsResponse.SerializeToString,
+            ),
+            'RecordEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordEval,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RecordEvalRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.SerializeToString,
+            ),
+            'Promote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Promote,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.PromoteRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.SerializeToString,
+            ),
+            'AddTrustedKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddTrustedKey,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.AddTrustedKeyRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.TrustedKey.SerializeToString,
+            ),
+            'ListTrustedKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTrustedKeys,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListTrustedKeysRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.ListTrustedKeysResponse.SerializeToString,
+            ),
+            'RemoveTrustedKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveTrustedKey,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveTrustedKeyRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.TrustedKey.SerializeToString,
+            ),
+            'RecordJudgeCalibration': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordJudgeCalibration,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RecordJudgeCalibrationRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.JudgeCalibration.SerializeToString,
+            ),
+            'GetJudgeCalibration': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJudgeCalibration,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.GetJudgeCalibrationRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.JudgeCalibration.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -738,6 +900,276 @@ class Registry:
             '/examlops.registry.v1.Registry/ListProjectResources',
             examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesRequest.SerializeToString,
             examlops_dot_registry_dot_v1_dot_registry__pb2.ListProjectResourcesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterModelVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/RegisterModelVersion',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RegisterModelVersionRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/GetModelVersion',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.GetModelVersionRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModelVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/ListModelVersions',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListModelVersionsRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListModelVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/RecordEval',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RecordEvalRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Promote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/Promote',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.PromoteRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ModelVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddTrustedKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/AddTrustedKey',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.AddTrustedKeyRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.TrustedKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTrustedKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/ListTrustedKeys',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListTrustedKeysRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.ListTrustedKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveTrustedKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/RemoveTrustedKey',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveTrustedKeyRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.TrustedKey.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordJudgeCalibration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/RecordJudgeCalibration',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RecordJudgeCalibrationRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.JudgeCalibration.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJudgeCalibration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/GetJudgeCalibration',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.GetJudgeCalibrationRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.JudgeCalibration.FromString,
             options,
             channel_credentials,
             insecure,
