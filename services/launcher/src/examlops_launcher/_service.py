@@ -159,7 +159,8 @@ class LauncherServicer(pb_grpc.LauncherServicer):
             await self._refuse(context, exc)
         ep = reg.Endpoint(name=spec.name, base_url=submission.base_url, launcher=spec.launcher,
                           job_id=submission.job_id, project=spec.project, engine_block_json=spec.block_json,
-                          state=submission.state, state_reason=submission.reason)  # type: ignore[arg-type]
+                          state=submission.state, state_reason=submission.reason,  # type: ignore[arg-type]
+                          model_version=request.model_version)
         try:
             registered = await self.registry.RegisterEndpoint(
                 reg.RegisterEndpointRequest(endpoint=ep, actor=current_caller().name, replace=request.replace),

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from examlops.registry.v1 import registry_pb2 as examlops_dot_registry_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#examlops/launcher/v1/launcher.proto\x12\x14\x65xamlops.launcher.v1\x1a#examlops/registry/v1/registry.proto\"\xb5\x02\n\x0cStartRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08launcher\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\x10\n\x08hf_model\x18\x04 \x01(\t\x12\x19\n\x11\x65ngine_block_json\x18\x05 \x01(\t\x12\x0f\n\x07project\x18\x06 \x01(\t\x12\r\n\x05nodes\x18\x07 \x01(\x05\x12\x15\n\rgpus_per_node\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\x05\x12\x11\n\tpartition\x18\x0b \x01(\t\x12\x10\n\x08walltime\x18\x0c \x01(\t\x12\r\n\x05\x61\x63tor\x18\r \x01(\t\x12\x0f\n\x07replace\x18\x0e \x01(\x08\x12\x0c\n\x04port\x18\x0f \x01(\x05\"\xe9\x02\n\nLaunchPlan\x12\x10\n\x08launcher\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x02 \x03(\t\x12\x36\n\x03\x65nv\x18\x03 \x03(\x0b\x32).examlops.launcher.v1.LaunchPlan.EnvEntry\x12\x0e\n\x06script\x18\x04 \x01(\t\x12\x10\n\x08manifest\x18\x05 \x01(\t\x12\x10\n\x08\x63ommands\x18\x06 \x03(\t\x12\x0f\n\x07summary\x18\x07 \x01(\t\x12:\n\x05\x66iles\x18\x08 \x03(\x0b\x32+.examlops.launcher.v1.LaunchPlan.FilesEntry\x12\x15\n\rendpoint_file\x18\t \x01(\t\x12\x11\n\ttransport\x18\n \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"q\n\rStartResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12.\n\x04plan\x18\x02 \x01(\x0b\x32 .examlops.launcher.v1.LaunchPlan\"\x1d\n\rStatusRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xb0\x02\n\x0eStatusResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12\x46\n\tsubstrate\x18\x02 \x03(\x0b\x32\x33.examlops.launcher.v1.StatusResponse.SubstrateEntry\x12\x42\n\x07metrics\x18\x03 \x03(\x0b\x32\x31.examlops.launcher.v1.StatusResponse.MetricsEntry\x1a\x30\n\x0eSubstrateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\",\n\rHealthRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\"a\n\x0eHealthResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\";\n\x0bStopRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\"p\n\x0cStopResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12.\n\x04plan\x18\x02 \x01(\x0b\x32 .examlops.launcher.v1.LaunchPlan2\xa3\x03\n\x08Launcher\x12L\n\x04Plan\x12\".examlops.launcher.v1.StartRequest\x1a .examlops.launcher.v1.LaunchPlan\x12P\n\x05Start\x12\".examlops.launcher.v1.StartRequest\x1a#.examlops.launcher.v1.StartResponse\x12S\n\x06Status\x12#.examlops.launcher.v1.StatusRequest\x1a$.examlops.launcher.v1.StatusResponse\x12S\n\x06Health\x12#.examlops.launcher.v1.HealthRequest\x1a$.examlops.launcher.v1.HealthResponse\x12M\n\x04Stop\x12!.examlops.launcher.v1.StopRequest\x1a\".examlops.launcher.v1.StopResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#examlops/launcher/v1/launcher.proto\x12\x14\x65xamlops.launcher.v1\x1a#examlops/registry/v1/registry.proto\"\xcc\x02\n\x0cStartRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08launcher\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\x10\n\x08hf_model\x18\x04 \x01(\t\x12\x19\n\x11\x65ngine_block_json\x18\x05 \x01(\t\x12\x0f\n\x07project\x18\x06 \x01(\t\x12\r\n\x05nodes\x18\x07 \x01(\x05\x12\x15\n\rgpus_per_node\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\n \x01(\x05\x12\x11\n\tpartition\x18\x0b \x01(\t\x12\x10\n\x08walltime\x18\x0c \x01(\t\x12\r\n\x05\x61\x63tor\x18\r \x01(\t\x12\x0f\n\x07replace\x18\x0e \x01(\x08\x12\x0c\n\x04port\x18\x0f \x01(\x05\x12\x15\n\rmodel_version\x18\x10 \x01(\t\"\xe9\x02\n\nLaunchPlan\x12\x10\n\x08launcher\x18\x01 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x02 \x03(\t\x12\x36\n\x03\x65nv\x18\x03 \x03(\x0b\x32).examlops.launcher.v1.LaunchPlan.EnvEntry\x12\x0e\n\x06script\x18\x04 \x01(\t\x12\x10\n\x08manifest\x18\x05 \x01(\t\x12\x10\n\x08\x63ommands\x18\x06 \x03(\t\x12\x0f\n\x07summary\x18\x07 \x01(\t\x12:\n\x05\x66iles\x18\x08 \x03(\x0b\x32+.examlops.launcher.v1.LaunchPlan.FilesEntry\x12\x15\n\rendpoint_file\x18\t \x01(\t\x12\x11\n\ttransport\x18\n \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"q\n\rStartResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12.\n\x04plan\x18\x02 \x01(\x0b\x32 .examlops.launcher.v1.LaunchPlan\"\x1d\n\rStatusRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xb0\x02\n\x0eStatusResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12\x46\n\tsubstrate\x18\x02 \x03(\x0b\x32\x33.examlops.launcher.v1.StatusResponse.SubstrateEntry\x12\x42\n\x07metrics\x18\x03 \x03(\x0b\x32\x31.examlops.launcher.v1.StatusResponse.MetricsEntry\x1a\x30\n\x0eSubstrateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\",\n\rHealthRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\"a\n\x0eHealthResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\";\n\x0bStopRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\"p\n\x0cStopResponse\x12\x30\n\x08\x65ndpoint\x18\x01 \x01(\x0b\x32\x1e.examlops.registry.v1.Endpoint\x12.\n\x04plan\x18\x02 \x01(\x0b\x32 .examlops.launcher.v1.LaunchPlan2\xa3\x03\n\x08Launcher\x12L\n\x04Plan\x12\".examlops.launcher.v1.StartRequest\x1a .examlops.launcher.v1.LaunchPlan\x12P\n\x05Start\x12\".examlops.launcher.v1.StartRequest\x1a#.examlops.launcher.v1.StartResponse\x12S\n\x06Status\x12#.examlops.launcher.v1.StatusRequest\x1a$.examlops.launcher.v1.StatusResponse\x12S\n\x06Health\x12#.examlops.launcher.v1.HealthRequest\x1a$.examlops.launcher.v1.HealthResponse\x12M\n\x04Stop\x12!.examlops.launcher.v1.StopRequest\x1a\".examlops.launcher.v1.StopResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_STATUSRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_STARTREQUEST']._serialized_start=99
-  _globals['_STARTREQUEST']._serialized_end=408
-  _globals['_LAUNCHPLAN']._serialized_start=411
-  _globals['_LAUNCHPLAN']._serialized_end=772
-  _globals['_LAUNCHPLAN_ENVENTRY']._serialized_start=684
-  _globals['_LAUNCHPLAN_ENVENTRY']._serialized_end=726
-  _globals['_LAUNCHPLAN_FILESENTRY']._serialized_start=728
-  _globals['_LAUNCHPLAN_FILESENTRY']._serialized_end=772
-  _globals['_STARTRESPONSE']._serialized_start=774
-  _globals['_STARTRESPONSE']._serialized_end=887
-  _globals['_STATUSREQUEST']._serialized_start=889
-  _globals['_STATUSREQUEST']._serialized_end=918
-  _globals['_STATUSRESPONSE']._serialized_start=921
-  _globals['_STATUSRESPONSE']._serialized_end=1225
-  _globals['_STATUSRESPONSE_SUBSTRATEENTRY']._serialized_start=1129
-  _globals['_STATUSRESPONSE_SUBSTRATEENTRY']._serialized_end=1177
-  _globals['_STATUSRESPONSE_METRICSENTRY']._serialized_start=1179
-  _globals['_STATUSRESPONSE_METRICSENTRY']._serialized_end=1225
-  _globals['_HEALTHREQUEST']._serialized_start=1227
-  _globals['_HEALTHREQUEST']._serialized_end=1271
-  _globals['_HEALTHRESPONSE']._serialized_start=1273
-  _globals['_HEALTHRESPONSE']._serialized_end=1370
-  _globals['_STOPREQUEST']._serialized_start=1372
-  _globals['_STOPREQUEST']._serialized_end=1431
-  _globals['_STOPRESPONSE']._serialized_start=1433
-  _globals['_STOPRESPONSE']._serialized_end=1545
-  _globals['_LAUNCHER']._serialized_start=1548
-  _globals['_LAUNCHER']._serialized_end=1967
+  _globals['_STARTREQUEST']._serialized_end=431
+  _globals['_LAUNCHPLAN']._serialized_start=434
+  _globals['_LAUNCHPLAN']._serialized_end=795
+  _globals['_LAUNCHPLAN_ENVENTRY']._serialized_start=707
+  _globals['_LAUNCHPLAN_ENVENTRY']._serialized_end=749
+  _globals['_LAUNCHPLAN_FILESENTRY']._serialized_start=751
+  _globals['_LAUNCHPLAN_FILESENTRY']._serialized_end=795
+  _globals['_STARTRESPONSE']._serialized_start=797
+  _globals['_STARTRESPONSE']._serialized_end=910
+  _globals['_STATUSREQUEST']._serialized_start=912
+  _globals['_STATUSREQUEST']._serialized_end=941
+  _globals['_STATUSRESPONSE']._serialized_start=944
+  _globals['_STATUSRESPONSE']._serialized_end=1248
+  _globals['_STATUSRESPONSE_SUBSTRATEENTRY']._serialized_start=1152
+  _globals['_STATUSRESPONSE_SUBSTRATEENTRY']._serialized_end=1200
+  _globals['_STATUSRESPONSE_METRICSENTRY']._serialized_start=1202
+  _globals['_STATUSRESPONSE_METRICSENTRY']._serialized_end=1248
+  _globals['_HEALTHREQUEST']._serialized_start=1250
+  _globals['_HEALTHREQUEST']._serialized_end=1294
+  _globals['_HEALTHRESPONSE']._serialized_start=1296
+  _globals['_HEALTHRESPONSE']._serialized_end=1393
+  _globals['_STOPREQUEST']._serialized_start=1395
+  _globals['_STOPREQUEST']._serialized_end=1454
+  _globals['_STOPRESPONSE']._serialized_start=1456
+  _globals['_STOPRESPONSE']._serialized_end=1568
+  _globals['_LAUNCHER']._serialized_start=1571
+  _globals['_LAUNCHER']._serialized_end=1990
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartRequest(_message.Message):
-    __slots__ = ("name", "launcher", "base_url", "hf_model", "engine_block_json", "project", "nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "partition", "walltime", "actor", "replace", "port")
+    __slots__ = ("name", "launcher", "base_url", "hf_model", "engine_block_json", "project", "nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "partition", "walltime", "actor", "replace", "port", "model_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class StartRequest(_message.Message):
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     launcher: str
     base_url: str
@@ -40,7 +41,8 @@ class StartRequest(_message.Message):
     actor: str
     replace: bool
     port: int
-    def __init__(self, name: _Optional[str] = ..., launcher: _Optional[str] = ..., base_url: _Optional[str] = ..., hf_model: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., project: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., partition: _Optional[str] = ..., walltime: _Optional[str] = ..., actor: _Optional[str] = ..., replace: _Optional[bool] = ..., port: _Optional[int] = ...) -> None: ...
+    model_version: str
+    def __init__(self, name: _Optional[str] = ..., launcher: _Optional[str] = ..., base_url: _Optional[str] = ..., hf_model: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., project: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., partition: _Optional[str] = ..., walltime: _Optional[str] = ..., actor: _Optional[str] = ..., replace: _Optional[bool] = ..., port: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class LaunchPlan(_message.Message):
     __slots__ = ("launcher", "argv", "env", "script", "manifest", "commands", "summary", "files", "endpoint_file", "transport")

@@ -26,7 +26,7 @@ ENDPOINT_STATE_STOPPED: EndpointState
 ENDPOINT_STATE_DISABLED: EndpointState
 
 class Endpoint(_message.Message):
-    __slots__ = ("name", "base_url", "state", "launcher", "job_id", "project", "served_model_name", "engine", "engine_block_json", "created_at_ms", "updated_at_ms", "state_reason", "revision")
+    __slots__ = ("name", "base_url", "state", "launcher", "job_id", "project", "served_model_name", "engine", "engine_block_json", "created_at_ms", "updated_at_ms", "state_reason", "revision", "model_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class Endpoint(_message.Message):
     UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_url: str
     state: EndpointState
@@ -53,7 +54,8 @@ class Endpoint(_message.Message):
     updated_at_ms: int
     state_reason: str
     revision: int
-    def __init__(self, name: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., launcher: _Optional[str] = ..., job_id: _Optional[str] = ..., project: _Optional[str] = ..., served_model_name: _Optional[str] = ..., engine: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., state_reason: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    model_version: str
+    def __init__(self, name: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., launcher: _Optional[str] = ..., job_id: _Optional[str] = ..., project: _Optional[str] = ..., served_model_name: _Optional[str] = ..., engine: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., state_reason: _Optional[str] = ..., revision: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class RegisterEndpointRequest(_message.Message):
     __slots__ = ("endpoint", "actor", "replace")
