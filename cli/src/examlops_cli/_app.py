@@ -6,7 +6,19 @@ import sys
 
 import typer
 
-from . import audit, dev, gateway, gateway_guardrail, hpc, manifest, models, serve_llm, serve_llm_engine
+from . import (
+    audit,
+    dev,
+    gateway,
+    gateway_guardrail,
+    hpc,
+    manifest,
+    models,
+    models_versions,
+    pipeline,
+    serve_llm,
+    serve_llm_engine,
+)
 from ._output import Ctx
 
 app = typer.Typer(
@@ -23,8 +35,9 @@ app.add_typer(gateway.app, name="gateway")
 app.add_typer(audit.app, name="audit")
 app.add_typer(dev.app, name="dev")
 app.add_typer(models.app, name="models")
+app.add_typer(pipeline.app, name="pipeline")
 
-del serve_llm_engine  # its commands attach to `exa serve llm`
+del serve_llm_engine, models_versions  # their commands attach to `exa serve llm`, `exa models`
 
 
 def main() -> None:
