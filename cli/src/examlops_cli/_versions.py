@@ -6,13 +6,17 @@ The registry checks a registration (signature against its trusted keys, BOM agai
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
 from examlops.provenance import (
     BomError,
@@ -37,10 +41,23 @@ from examlops.provenance import (
 )
 from examlops.registry.v1 import registry_pb2 as reg
 
-from ._output import fail
+from ._output import Ctx, err_console, fail
 from ._rpc import call
 
 REF_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,62})@(?P<version>[A-Za-z0-9][A-Za-z0-9._-]{0,62})$")
+
+
+@contextlib.contextmanager
+def hashing(folder: Path, what: str) -> Iterator[Callable[[str, int], None] | None]:
+    """A byte progress bar over a folder's files on stderr (none in --json mode or off a terminal)."""
+    if Ctx.json or not sys.stderr.isatty() or not folder.is_dir():
+        yield None
+        return
+    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    with Progress(TextColumn(f"{what} [bold]{{task.description}}"), BarColumn(), DownloadColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda name, size: bar.update(task, advance=size, description=name)
 
 
 class VerifyError(ValueError):
@@ -168,3 +185,39 @@ def check_files(mv: reg.ModelVersion, folder: Path, progress: Callable[[str, int
 
 def file_digests(mv: reg.ModelVersion) -> list[FileDigest]:
     return [FileDigest(f.path, f.sha256, f.size) for f in mv.files]
+
+
+def servable_version(ref: str, rehash: bool = True) -> reg.ModelVersion:
+    """The version `ref` names (an alias resolved), verified for serving: trusted signature, files
+    unchanged (when this host has them), not degraded, and a quantization this host can serve."""
+    mv = get_version(ref)
+    label = f"{mv.name}@{mv.version}"
+    if mv.degraded:
+        fail(f"{label} is degraded ({mv.degraded_reason}): its transformation was recorded, not run, "
+             "so there are no weights to serve")
+    try:
+        check_record(mv, trusted_keys())
+        if rehash:
+            with hashing(Path(mv.path), "verifying") as progress:
+                check_files(mv, Path(mv.path), progress)
+    except VerifyError as exc:
+        fail(f"refusing to serve {label}: {exc}")
+    return mv
+
+
+def apply_version(block: dict[str, Any], mv: reg.ModelVersion) -> tuple[dict[str, Any], list[str]]:
+    """The engine block serving `mv`: its folder as the model, and no `--quantization` that contradicts
+    the checkpoint (vLLM reads a compressed-tensors checkpoint's scheme from its config.json)."""
+    from examlops.engine import QUANTIZATION_FOR_DTYPE
+
+    out, notes = dict(block), []
+    out["hf_model_id"] = mv.path
+    if mv.quantization:
+        wanted = "compressed-tensors" if str(out.get("dtype")) in QUANTIZATION_FOR_DTYPE else None
+        if out.get("quantization") not in (None, wanted):
+            notes.append(f"the block's quantization {out['quantization']!r} is dropped: {mv.name}@{mv.version} is a "
+                         f"{mv.quantization} compressed-tensors checkpoint, which vLLM reads from its config")
+        out["quantization"] = wanted
+        if wanted is None:
+            out.pop("quantization")
+    return out, notes

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
 import orjson
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
 from examlops.provenance import SigningError, generate_keypair, key_id, load_public_pem
 from examlops.registry.v1 import registry_pb2 as reg
 
-from ._output import Ctx, console, emit_json, err_console, fail, message_dict, table
+from ._output import Ctx, console, emit_json, fail, message_dict, table
 from ._rpc import call
 from ._versions import (
     Registration,
@@ -25,6 +22,7 @@ from ._versions import (
     check_record,
     dataset_of,
     get_version,
+    hashing,
     next_version,
     trusted_keys,
 )
@@ -35,19 +33,6 @@ trust_app = typer.Typer(help="Public keys whose signatures the registry accepts.
 app.add_typer(trust_app, name="trust")
 
 Ref = Annotated[str, typer.Argument(help="NAME@VERSION, or NAME@ALIAS (e.g. smol@Production).")]
-
-
-@contextlib.contextmanager
-def hashing(folder: Path, what: str) -> Iterator[Callable[[str, int], None] | None]:
-    """A byte progress bar over a folder's files on stderr (none in --json mode or off a terminal)."""
-    if Ctx.json or not sys.stderr.isatty() or not folder.is_dir():
-        yield None
-        return
-    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    with Progress(TextColumn(f"{what} [bold]{{task.description}}"), BarColumn(), DownloadColumn(),
-                  console=err_console, transient=True) as bar:
-        task = bar.add_task("", total=total)
-        yield lambda name, size: bar.update(task, advance=size, description=name)
 
 
 def version_dict(mv: reg.ModelVersion) -> dict[str, object]:

@@ -11,8 +11,8 @@ from examlops.registry.v1 import registry_pb2 as reg
 
 from ._output import Ctx, console, emit_json, fail
 from ._rpc import call
-from ._versions import VerifyError, check_files, check_record, get_version, trusted_keys
-from .models_versions import Ref, hashing, version_dict
+from ._versions import VerifyError, check_files, check_record, get_version, hashing, trusted_keys
+from .models_versions import Ref, version_dict
 
 app = typer.Typer(help="Promotion of model versions.", no_args_is_help=True)
 

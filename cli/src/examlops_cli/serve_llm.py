@@ -49,6 +49,9 @@ def start(
     media_domains: Annotated[list[str] | None, typer.Option(
         help="Allowed media domain (repeatable; subdomains included). None: no remote media.")] = None,
     replace: Annotated[bool, typer.Option("--replace", help="Replace a STARTING or READY endpoint.")] = False,
+    model_version: Annotated[str, typer.Option(
+        help="Serve a registered version, NAME@V or NAME@ALIAS: verified (trusted signature, every file "
+             "re-hashed), then its folder is the model.")] = "",
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print exactly what would be submitted; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
@@ -64,6 +67,9 @@ def start(
     block.update({k: v for k, v in overrides.items() if v})
     if modality or max_images or media_domains:
         block["multimodal"] = media_policy(block.get("multimodal") or {}, modality, max_images, media_domains or [])
+    served = None
+    if model_version:
+        block, served = serve_version(block, model_version)
     if block:
         check_block(block)
     base_url = base_url or str(block.get("base_url") or "")
@@ -71,7 +77,8 @@ def start(
                           engine_block_json=orjson.dumps(block).decode() if block else "",
                           project=project, actor=Ctx.actor(), replace=replace, nodes=nodes,
                           gpus_per_node=gpus, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                          partition=partition, walltime=walltime, port=port)
+                          partition=partition, walltime=walltime, port=port,
+                          model_version=f"{served.name}@{served.version}" if served else "")
     plan = call("launcher", "Plan", req)
     if dry_run:
         emit_json(message_dict(plan)) if Ctx.json else print_plan(plan)
@@ -87,6 +94,17 @@ def start(
                   f"{ep.base_url or '(no address)'} via {ep.launcher}"
                   + (f"{' job ' + ep.job_id if ep.job_id else ''} — {escape(ep.state_reason)}"
                      if ep.state_reason else ""), highlight=False)
+
+
+def serve_version(block: dict[str, Any], ref: str) -> tuple[dict[str, Any], reg.ModelVersion]:
+    """The block serving a verified model version (see _versions.servable_version)."""
+    from ._versions import apply_version, servable_version
+
+    mv = servable_version(ref)
+    block, notes = apply_version(block, mv)
+    for note in notes:
+        err_console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    return block, mv
 
 
 def print_plan(plan: la.LaunchPlan) -> None:
