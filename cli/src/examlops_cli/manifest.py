@@ -22,16 +22,27 @@ def manifest(
     tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size; overrides the block.")] = 0,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline parallel size; overrides the block.")] = 0,
     project: Annotated[str, typer.Option(help="Project label.")] = "",
+    alias: Annotated[str, typer.Option(help="Serve the version this alias of the model names (MODEL@ALIAS, "
+                                       "e.g. Production): verified, then loaded from the cluster's model store.")] = "",
+    model_version: Annotated[str, typer.Option(help="Serve this registered version, NAME@V or NAME@ALIAS.")] = "",
 ) -> None:
     """Print the LLMInferenceService for a model (nothing is applied or recorded)."""
     block = pack_block(model) or {}
     if hf_model:
         block["hf_model_id"] = hf_model
+    ref = model_version or (f"{model}@{alias}" if alias else "")
+    served = ""
+    if ref:
+        from ._versions import apply_version, servable_version
+
+        mv = servable_version(ref, rehash=False)  # the cluster has the files; this host may not
+        block, _ = apply_version(block, mv)
+        served = f"{mv.name}@{mv.version}"
     if block:
         check_block(block)
     plan = call("launcher", "Plan", la.StartRequest(
         name=model, launcher="kserve", hf_model=hf_model, project=project, nodes=nodes, gpus_per_node=gpus,
-        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, model_version=served,
         engine_block_json=orjson.dumps(block).decode() if block else ""))
     if Ctx.json:
         emit_json({"manifest": plan.manifest, "summary": plan.summary})

@@ -57,6 +57,10 @@ class LauncherSettings(GrpcServiceSettings):
                                     description="apiVersion of emitted LLMInferenceServices.")
     kserve_live_apply: bool = Field(
         default=False, description="Record kserve endpoints as STARTING instead of PENDING (nothing is applied).")
+    kserve_model_store: str = Field(
+        default="pvc://examlops-models",
+        description="Where a cluster finds registered model versions: NAME@V is served from <store>/NAME/V "
+                    "(a PVC or bucket holding each version's files, as registered).")
     kserve_cpu: str = Field(default="8", description="CPU request and limit of each serving pod.")
     kserve_memory: str = Field(default="64Gi", description="Memory request and limit of each serving pod.")
     kubectl: str = Field(default="kubectl", description="kubectl for `apply --dry-run=server` when a cluster answers.")

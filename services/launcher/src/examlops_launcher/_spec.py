@@ -67,4 +67,4 @@ def launch_spec(request: pb.StartRequest) -> LaunchSpec:
         block_json=json.dumps(block.model_dump(mode="json", exclude_none=True), sort_keys=True) if block else "",
         base_url=request.base_url, project=request.project, nodes=request.nodes or 1,
         gpus_per_node=request.gpus_per_node, partition=request.partition, walltime=request.walltime,
-        port=port or DEFAULT_SERVE_PORT, actor=request.actor)
+        port=port or DEFAULT_SERVE_PORT, actor=request.actor, model_version=request.model_version)

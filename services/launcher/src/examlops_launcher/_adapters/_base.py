@@ -51,6 +51,7 @@ class LaunchSpec:
     walltime: str
     port: int
     actor: str
+    model_version: str = ""          # NAME@V whose folder hf_model_id names, when serving a registered version
 
     @property
     def tp(self) -> int:

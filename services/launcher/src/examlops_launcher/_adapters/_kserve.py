@@ -29,6 +29,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 POD_UID = 10001
 
 
+#: Where KServe mounts the files of a model URI it downloaded.
+MODEL_MOUNT = "/mnt/models"
+
 def secret_name(endpoint: str) -> str:
     """The Kubernetes Secret holding an endpoint's API key (key VLLM_API_KEY)."""
     return re.sub(r"[^a-z0-9-]", "-", f"{endpoint}-vllm-api-key")
@@ -86,7 +89,10 @@ class KServeAdapter(Adapter):
         args = command.argv[3:]
         if spec.nodes > 1 and "--distributed-executor-backend" not in args:
             args += ["--distributed-executor-backend", "ray"]
-        main.update(command=command.argv[:3], args=args,
+        head = command.argv[:3]
+        if spec.model_version:
+            head[2] = MODEL_MOUNT  # KServe's storage initializer puts the version's files there
+        main.update(command=head, args=args,
                     ports=[{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}])
         probe = {"httpGet": {"path": "/health", "port": CONTAINER_PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
         main["startupProbe"] = {**probe, "failureThreshold": 60}     # up to 10 minutes to load the weights
@@ -96,10 +102,12 @@ class KServeAdapter(Adapter):
             "app.kubernetes.io/managed-by": "examlops", "examlops.io/endpoint": spec.name}}
         if spec.project:
             metadata["labels"]["examlops.io/project"] = spec.project
+        if spec.model_version:
+            metadata["annotations"] = {"examlops.io/model-version": spec.model_version}
         if self.settings.kserve_namespace:
             metadata["namespace"] = self.settings.kserve_namespace
         body: dict[str, Any] = {
-            "model": {"uri": f"hf://{block.hf_model_id}", "name": block.served_model_name or spec.name},
+            "model": {"uri": self.model_uri(spec), "name": block.served_model_name or spec.name},
             "replicas": 1,
             "parallelism": {"tensor": spec.tp, "pipeline": spec.pp},
             "template": _pod([main]),
@@ -109,6 +117,14 @@ class KServeAdapter(Adapter):
             body["worker"] = _pod([_container("main", image, resources, env)])
         return {"apiVersion": self.settings.kserve_api_version, "kind": "LLMInferenceService",
                 "metadata": metadata, "spec": body}
+
+    def model_uri(self, spec: LaunchSpec) -> str:
+        """hf://<id> for a Hub model; a registered version from the cluster's model store."""
+        assert spec.block is not None and spec.block.hf_model_id is not None
+        if spec.model_version:
+            name, _, version = spec.model_version.partition("@")
+            return f"{self.settings.kserve_model_store.rstrip('/')}/{name}/{version}"
+        return f"hf://{spec.block.hf_model_id}"
 
     def plan(self, spec: LaunchSpec) -> Prepared:
         manifest = self.manifest(spec)
