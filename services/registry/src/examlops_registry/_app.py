@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from examlops.registry.v1 import registry_pb2 as pb
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 from examlops.svc import (
     OPERATORS,
@@ -30,10 +31,15 @@ from ._store import RegistryStore
 
 log = logging.getLogger(__name__)
 SERVICE = "examlops.registry.v1.Registry"
+#: What only an operator may change: the keys the registry trusts, the model versions, their evals
+#: and aliases, and judge calibrations. Services may read them.
+OPERATOR_ONLY = frozenset({"AddTrustedKey", "RemoveTrustedKey", "RegisterModelVersion", "RecordEval", "Promote",
+                           "RecordJudgeCalibration"})
+SERVICE_RPCS = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name["Registry"].methods) - OPERATOR_ONLY
 #: Operators, the gateway (prices, audit, key attribution) and the launcher change records;
 #: engine-proxy only reads the route table.
 ACCESS = Access({
-    OPERATORS: None, "gateway": None, "launcher": None,
+    OPERATORS: None, "gateway": SERVICE_RPCS, "launcher": SERVICE_RPCS,
     "engine-proxy": frozenset({"WatchEndpoints", "GetEndpoint", "ListEndpoints"}),
 })
 

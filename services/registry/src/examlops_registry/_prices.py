@@ -8,7 +8,7 @@ Prices are integers in micro-USD per million tokens, so that the gateway's cost 
 Each change, its change event and its audit event are written in one MULTI/EXEC, like endpoint
 records, so WatchPrices (a snapshot, then every change) never misses one. Endpoints
 with a project are attributed by RegistryStore.mutate itself (kind serving_endpoint), in the same
-transaction as the endpoint record.
+transaction as the endpoint record; model versions by VersionStore.register (kind model_version).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ._store import AUDIT, CHANGES_MAXLEN, PROJECT_RESOURCES, RegistryStore, now
 PRICES = "{exa:reg}:prices"
 PRICE_CHANGES = "{exa:reg}:price_changes"
 MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
-RESOURCE_KINDS = ("serving_endpoint", "virtual_key")
+RESOURCE_KINDS = ("serving_endpoint", "virtual_key", "model_version")
 #: 1,000 USD per million tokens: far above any real price, low enough that costs stay exact integers.
 MAX_MICRO_USD_PER_MTOK = 1_000 * 1_000_000
 

@@ -14,8 +14,10 @@ from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 from examlops.svc import abort, current_caller, state_name
 
 from ._hpc_jobs import HpcJobServicerMixin, HpcJobStore
+from ._judges import JudgesServicerMixin, JudgeStore
 from ._prices import PricesServicerMixin, PriceStore
 from ._store import Conflict, NotFound, RegistryStore
+from ._versions import VersionsServicerMixin, VersionStore
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -75,11 +77,14 @@ def normalise_registration(ep: pb.Endpoint) -> pb.Endpoint:
     return out
 
 
-class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, pb_grpc.RegistryServicer):
+class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, VersionsServicerMixin, JudgesServicerMixin,
+                       pb_grpc.RegistryServicer):
     def __init__(self, store: RegistryStore) -> None:
         self.store = store
         self.hpc_jobs = HpcJobStore(store.r)
         self.prices = PriceStore(store.r)
+        self.versions = VersionStore(store.r)
+        self.judges = JudgeStore(store.r)
 
     async def RegisterEndpoint(self, request: pb.RegisterEndpointRequest, context: Ctx) -> pb.Endpoint:
         try:
