@@ -8,6 +8,7 @@ import typer
 
 from . import (
     audit,
+    challenger,
     dev,
     gateway,
     gateway_guardrail,
@@ -28,6 +29,7 @@ app = typer.Typer(
 serve = typer.Typer(help="Serving endpoints.", no_args_is_help=True)
 serve.add_typer(serve_llm.app, name="llm")
 serve.command("manifest")(manifest.manifest)
+serve.add_typer(challenger.app, name="challenger")
 app.add_typer(serve, name="serve")
 app.add_typer(hpc.app, name="hpc")
 gateway.app.add_typer(gateway_guardrail.app, name="guardrail")
