@@ -207,17 +207,21 @@ def servable_version(ref: str, rehash: bool = True) -> reg.ModelVersion:
 
 def apply_version(block: dict[str, Any], mv: reg.ModelVersion) -> tuple[dict[str, Any], list[str]]:
     """The engine block serving `mv`: its folder as the model, and no `--quantization` that contradicts
-    the checkpoint (vLLM reads a compressed-tensors checkpoint's scheme from its config.json)."""
+    the checkpoint. A quantized version is a compressed-tensors checkpoint, whose scheme vLLM reads from
+    its config.json; a plain version keeps only an on-the-fly method (fp8*) of the block."""
     from examlops.engine import QUANTIZATION_FOR_DTYPE
 
     out, notes = dict(block), []
     out["hf_model_id"] = mv.path
+    current = out.get("quantization")
     if mv.quantization:
         wanted = "compressed-tensors" if str(out.get("dtype")) in QUANTIZATION_FOR_DTYPE else None
-        if out.get("quantization") not in (None, wanted):
-            notes.append(f"the block's quantization {out['quantization']!r} is dropped: {mv.name}@{mv.version} is a "
-                         f"{mv.quantization} compressed-tensors checkpoint, which vLLM reads from its config")
+    else:
+        wanted = current if current is None or str(current).startswith("fp8") else None
+    if current != wanted:
+        kind = f"a {mv.quantization} compressed-tensors checkpoint" if mv.quantization else "not a quantized checkpoint"
+        notes.append(f"the block's quantization {current!r} is dropped: {mv.name}@{mv.version} is {kind}")
+    out.pop("quantization", None)
+    if wanted is not None:
         out["quantization"] = wanted
-        if wanted is None:
-            out.pop("quantization")
     return out, notes
