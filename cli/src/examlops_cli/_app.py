@@ -15,6 +15,7 @@ from . import (
     hpc,
     manifest,
     models,
+    models_eval,
     models_versions,
     pipeline,
     serve_llm,
@@ -39,7 +40,7 @@ app.add_typer(dev.app, name="dev")
 app.add_typer(models.app, name="models")
 app.add_typer(pipeline.app, name="pipeline")
 
-del serve_llm_engine, models_versions  # their commands attach to `exa serve llm`, `exa models`
+del serve_llm_engine, models_versions, models_eval  # their commands attach to `exa serve llm`, `exa models`
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def test_only_documented_top_level_keys(tmp_path: Path) -> None:
     with pytest.raises(EngineBlockError) as caught:
         load_model_file(path)
     (issue,) = caught.value.issues
-    assert issue.field == "owner" and issue.accepted == ("name", "description", "engine")
+    assert issue.field == "owner" and issue.accepted == ("name", "description", "engine", "eval_gate")
 
 
 def test_the_engine_block_is_required_and_errors_carry_the_file(tmp_path: Path) -> None:

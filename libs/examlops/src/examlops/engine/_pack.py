@@ -4,7 +4,10 @@ A model file is a YAML mapping with exactly these top-level keys:
 
 * ``engine`` (required) — the engine block (`EngineBlock`);
 * ``name`` (optional) — must equal the file stem, which is the name models are found by;
-* ``description`` (optional) — one human sentence.
+* ``description`` (optional) — one human sentence;
+* ``eval_gate`` (optional) — the floors `exa models eval` holds this model's versions to
+  (`EvalGate`): ``max_perplexity_ratio`` and ``min_task_score_ratio`` relative to the parent
+  version (defaults 1.10 and 0.95), and absolute ``max_perplexity`` and ``min_task_score``.
 
 Any other key is rejected, and so is a key given twice (YAML would silently keep the last).
 
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._errors import EngineBlockError, EngineBlockIssue
 from ._issues import issues_from_validation_error
@@ -39,6 +42,22 @@ class ModelNotFoundError(LookupError):
     """No model file answers to a name (or several do and the name is ambiguous)."""
 
 
+class EvalGate(BaseModel):
+    """A model's `eval_gate:` floors for `exa models eval`; an unset ratio takes its default.
+
+    A version derived from a parent passes when its perplexity is at most
+    ``max_perplexity_ratio`` x the parent's and its task score at least ``min_task_score_ratio``
+    x the parent's; the absolute floors, when set, apply to every version, base versions too.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    max_perplexity_ratio: float | None = Field(default=None, gt=0)
+    min_task_score_ratio: float | None = Field(default=None, ge=0)
+    max_perplexity: float | None = Field(default=None, ge=1)
+    min_task_score: float | None = Field(default=None, ge=0, le=1)
+
+
 class ModelSpec(BaseModel):
     """One model file of a use-case pack."""
 
@@ -47,6 +66,7 @@ class ModelSpec(BaseModel):
     name: str
     description: str | None = None
     engine: EngineBlock
+    eval_gate: EvalGate | None = None
 
     @field_validator("name")
     @classmethod
@@ -71,7 +91,7 @@ def parse_model_spec(data: Any, *, name: str, source: str | None = None) -> Mode
     """Validate a whole model file's content; `name` is what the file is found by."""
     if not isinstance(data, Mapping):
         raise EngineBlockError.single(
-            "", data, "a model file is a mapping", ("a mapping with keys engine, name, description",),
+            "", data, "a model file is a mapping", ("a mapping with keys engine, name, description, eval_gate",),
             source=source,
         )
     issues: list[EngineBlockIssue] = []
