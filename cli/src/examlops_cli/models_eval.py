@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Annotated, Any
 
 import orjson
@@ -28,18 +27,10 @@ from ._eval import (
 from ._output import Ctx, console, emit_json, err_console, fail, table
 from ._pack import usecase_dir
 from ._rpc import call
+from ._versions import get_version
 from .models import app
 
-_REF = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,62})@([A-Za-z0-9][A-Za-z0-9._-]{0,62})$")
 _PHASES = {"texts": "perplexity over the texts", "tasks": "answering the tasks"}
-
-
-def _version(ref: str) -> reg.ModelVersion:
-    m = _REF.match(ref)
-    if not m:
-        fail(f"{ref!r} is not NAME@VERSION (for example smol@1 or smol@Production)")
-    mv: reg.ModelVersion = call("registry", "GetModelVersion", reg.GetModelVersionRequest(name=m[1], version=m[2]))
-    return mv
 
 
 def _floor(name: str) -> tuple[GateFloor, str]:
@@ -75,7 +66,7 @@ def _engine(endpoint: str, base_url: str, served_model_name: str, mv: reg.ModelV
     if not ep.base_url:
         fail(f"endpoint {endpoint!r} has no address yet ({ep.state_reason or 'not started'})")
     ref = f"{mv.name}@{mv.version}"
-    if ep.model_version and ep.model_version != ref and _version(ep.model_version).bom_sha256 != mv.bom_sha256:
+    if ep.model_version and ep.model_version != ref and get_version(ep.model_version).bom_sha256 != mv.bom_sha256:
         fail(f"endpoint {endpoint!r} serves {ep.model_version}, not {ref}: evaluate it on an endpoint started "
              f"with --model-version {ref}")
     return ep.base_url, ep.served_model_name or endpoint, f"endpoint:{endpoint}"
@@ -115,7 +106,7 @@ def _show(ref: str, parent_ref: str, parent: reg.EvalResult | None, metrics: Eva
 
 
 @app.command("eval")
-def eval_version(
+def evalget_version(
     ref: Annotated[str, typer.Argument(metavar="NAME@V", help="The version (or NAME@ALIAS) to evaluate.")],
     endpoint: Annotated[str, typer.Option("--endpoint", "-e", help="Registered endpoint serving it.")] = "",
     base_url: Annotated[str, typer.Option("--base-url", help="An unregistered OpenAI-compatible server.")] = "",
@@ -129,13 +120,13 @@ def eval_version(
         suite = load_suite()
     except SuiteError as exc:
         fail(str(exc))
-    mv = _version(ref)
+    mv = get_version(ref)
     ref = f"{mv.name}@{mv.version}"
     if mv.degraded:
         fail(f"{ref} is degraded ({mv.degraded_reason or 'its transformation was not run'}): nothing to evaluate")
     parent: reg.EvalResult | None = None
     if mv.parent:
-        parent = latest_on_suite(list(_version(mv.parent).evals), suite.id)
+        parent = latest_on_suite(list(get_version(mv.parent).evals), suite.id)
         if parent is None:
             fail(f"{ref}'s parent {mv.parent} has no eval on {suite.id}, so there is nothing to compare "
                  f"with: evaluate the parent first (exa models eval {mv.parent} --endpoint …)")
