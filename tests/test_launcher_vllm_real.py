@@ -16,32 +16,13 @@ from pathlib import Path
 import openai
 import pytest
 
-from examlops.engine import require_vllm_python
 from examlops.svc import DEFAULT_ADMIN_KEY
 from examlops_testsupport.fixtures import Stack, free_port, wait_until
 from examlops_testsupport.slurm import ExtraLauncher, SlurmCluster, SshServer, extra_launcher, wait_for
-from examlops_testsupport.vllm import smol_block, smol_model_dir
+from examlops_testsupport.vllm import launcher_settings, write_pack
 
 pytestmark = pytest.mark.vllm
 LOAD_TIMEOUT_S = 600
-
-
-def launcher_settings(root: Path) -> dict[str, str]:
-    python = require_vllm_python()
-    return {"EXAMLOPS_VLLM_WORK_DIR": str(root / "work"), "EXAMLOPS_VLLM_RUNTIME": "path",
-            "EXAMLOPS_VLLM_BIN": str(python.parent / "vllm"),
-            "EXAMLOPS_VLLM_JOB_ENV": json.dumps({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})}
-
-
-def write_pack(root: Path, name: str) -> Path:
-    """A pack holding the smol block under `name`, loading the local SmolLM2 folder."""
-    data = smol_block().model_dump(mode="json", exclude_none=True)
-    data.pop("base_url", None)
-    data.update(hf_model_id=str(smol_model_dir()), served_model_name=name)
-    models = root / "packs" / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    (models / f"{name}.yaml").write_text(json.dumps({"engine": data}))
-    return root / "packs"
 
 
 def start(launcher: ExtraLauncher, stack: Stack, root: Path, name: str) -> dict[str, object]:

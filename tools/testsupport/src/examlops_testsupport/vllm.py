@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -46,3 +47,22 @@ def start_vllm(workdir: Path, port: int, block: Any, log_name: str = "vllm.log")
         time.sleep(1)
     proc.remember_group()
     return proc
+
+
+def launcher_settings(root: Path) -> dict[str, str]:
+    """A launcher whose Slurm jobs run `vllm serve` from the CPU vLLM venv (the tests' settings)."""
+    python = require_vllm_python()
+    return {"EXAMLOPS_VLLM_WORK_DIR": str(root / "work"), "EXAMLOPS_VLLM_RUNTIME": "path",
+            "EXAMLOPS_VLLM_BIN": str(python.parent / "vllm"),
+            "EXAMLOPS_VLLM_JOB_ENV": json.dumps({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})}
+
+
+def write_pack(root: Path, name: str) -> Path:
+    """A pack holding the smol block under `name`, loading the local SmolLM2 folder."""
+    data = smol_block().model_dump(mode="json", exclude_none=True)
+    data.pop("base_url", None)
+    data.update(hf_model_id=str(smol_model_dir()), served_model_name=name)
+    models = root / "packs" / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (models / f"{name}.yaml").write_text(json.dumps({"engine": data}))
+    return root / "packs"
