@@ -31,6 +31,9 @@ def promote(
     if force and not reason.strip():
         fail("--force needs --reason: skipping the eval gate is audited with its reason")
     mv = get_version(ref)
+    if mv.degraded:
+        fail(f"not promoted: {mv.name}@{mv.version} is degraded ({mv.degraded_reason}): it was recorded, not "
+             "produced, and cannot be served")
     folder = path or Path(mv.path)
     try:
         check_record(mv, trusted_keys())
