@@ -16,6 +16,7 @@ from . import (
     manifest,
     models,
     models_eval,
+    models_quantize,
     models_versions,
     pipeline,
     serve_llm,
@@ -40,7 +41,8 @@ app.add_typer(dev.app, name="dev")
 app.add_typer(models.app, name="models")
 app.add_typer(pipeline.app, name="pipeline")
 
-del serve_llm_engine, models_versions, models_eval  # their commands attach to `exa serve llm`, `exa models`
+# These attach their commands to `exa serve llm` and `exa models`.
+del serve_llm_engine, models_versions, models_eval, models_quantize
 
 
 def main() -> None:
