@@ -20,7 +20,14 @@ from examlops.provenance import validate_bom
 from examlops.svc import DEFAULT_ADMIN_KEY
 from examlops_testsupport.fixtures import Stack, free_port, wait_until
 from examlops_testsupport.slurm import ExtraLauncher, SlurmCluster, extra_launcher, wait_for
-from examlops_testsupport.vllm import launcher_settings, smol_block, smol_model_dir, start_vllm, write_pack
+from examlops_testsupport.vllm import (
+    launcher_settings,
+    serving_rss_mb,
+    smol_block,
+    smol_model_dir,
+    start_vllm,
+    write_pack,
+)
 
 pytestmark = pytest.mark.vllm
 NAME = "smolv"
@@ -73,7 +80,7 @@ def base(stack: Stack, signer: dict[str, str], tmp_path_factory: pytest.TempPath
                    15)
         speed = tokens_per_s(stack.gateway_url, f"{NAME}-base")
         print(f"\n[{NAME}@1] perplexity {result['perplexity']:.2f}, task score {result['task_score']:.3f}, "
-              f"{speed:.1f} tok/s")
+              f"{speed:.1f} tok/s, vLLM RSS {serving_rss_mb(str(smol_model_dir())):.0f} MB")
         yield {**mv, "eval": result, "tok_s": speed}
     finally:
         proc.stop()
@@ -143,6 +150,7 @@ def test_serve_eval_gate_and_promote_the_quantized_version(
     finally:
         client.close()
     speed = tokens_per_s(stack.gateway_url, ep)
+    rss = serving_rss_mb(str(quantized["path"]))
 
     out = exa(stack, env, "--json", "models", "eval", f"{NAME}@1-w8a8", "--endpoint", ep)
     result = json.loads(out.stdout)
@@ -150,7 +158,8 @@ def test_serve_eval_gate_and_promote_the_quantized_version(
     parent = base["eval"]
     print(f"\n[{NAME}@1-w8a8] perplexity {result['perplexity']:.2f} (parent {parent['perplexity']:.2f}), "  # type: ignore[index]
           f"task score {result['task_score']:.3f} (parent {parent['task_score']:.3f}), {speed:.1f} tok/s "  # type: ignore[index]
-          f"(parent {base['tok_s']:.1f}); gate: {'PASS' if result['passed'] else 'FAIL'} — {result['gate']}")
+          f"(parent {base['tok_s']:.1f}), vLLM RSS {rss:.0f} MB; "
+          f"gate: {'PASS' if result['passed'] else 'FAIL'} — {result['gate']}")
 
     # The base passed its (baseline) gate: it is promoted; the quantized one only if its gate passed.
     assert base["eval"]["passed"] is True  # type: ignore[index]

@@ -66,3 +66,25 @@ def write_pack(root: Path, name: str) -> Path:
     models.mkdir(parents=True, exist_ok=True)
     (models / f"{name}.yaml").write_text(json.dumps({"engine": data}))
     return root / "packs"
+
+
+def serving_rss_mb(model_path: str) -> float:
+    """Resident memory (MB) of the vLLM server loading `model_path` and every process under it."""
+    procs: dict[int, tuple[int, int, str]] = {}  # pid -> (ppid, rss pages, cmdline)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        procs[int(entry.name)] = (int(fields[1]), int(fields[21]), cmdline)
+    roots = {pid for pid, (_, _, cmd) in procs.items() if "vllm" in cmd and model_path in cmd}
+    roots = {pid for pid in roots if procs[pid][0] not in roots}
+    found, frontier = set(roots), set(roots)
+    while frontier:
+        frontier = {pid for pid, (ppid, _, _) in procs.items() if ppid in frontier} - found
+        found |= frontier
+    return sum(procs[pid][1] for pid in found) * os.sysconf("SC_PAGE_SIZE") / 1e6
