@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export EXAMLOPS_USECASE_DIR ?= $(CURDIR)/usecases
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps test-deps vllm-env compose-env clean
+.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps test-deps vllm-env quant-env compose-env clean
 
 help: ## Show the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -42,6 +42,9 @@ test-deps: system-deps ## Install Slurm, munge and an SSH server for the launche
 vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 model folder
 	@bash scripts/vllm-env.sh >/dev/null
 
+quant-env: ## Build (once, cached) the quantizer environment (llm-compressor, kept apart from vLLM's)
+	@bash scripts/quant-env.sh >/dev/null
+
 up: venv system-deps ## Start Redis, the five services and a real CPU vLLM serving SmolLM2 (ENGINE=echo: no vLLM)
 	@bash scripts/link-exa.sh $(CURDIR)/$(VENV)/bin/exa
 ifeq ($(ENGINE),echo)
@@ -60,8 +63,9 @@ status: ## Show each part of the local stack
 logs: ## Follow the logs of the local stack
 	@tail -n 20 -F .run/logs/*.log
 
-test: venv test-deps vllm-env ## Run every test tier (installs what it needs; starts its own servers)
+test: venv test-deps vllm-env quant-env ## Run every test tier (installs what it needs; starts its own servers)
 	@eval "$$(bash scripts/vllm-env.sh)" && export EXAMLOPS_VLLM_VENV="$$VLLM_VENV" EXAMLOPS_SMOL_MODEL_DIR="$$SMOL_MODEL_DIR" && \
+	  eval "$$(bash scripts/quant-env.sh)" && export EXAMLOPS_QUANT_VENV="$$QUANT_VENV" && \
 	  $(PY) scripts/gen-protos.py --check && $(PY) -m pytest -q
 
 test-fast: venv test-deps ## Tests without the real-vLLM tier

@@ -7,6 +7,18 @@ records a version).
 from ._bom import BomClaims, BomError, Dataset, Tool, VersionSpec, build_bom, dump_bom, read_claims, validate_bom
 from ._card import ModelFacts, model_facts
 from ._digest import DigestMismatch, FileDigest, compare, digest_folder, sha256_file
+from ._methods import (
+    METHODS,
+    QUANT_VENV_ENV,
+    QuantizeError,
+    QuantMethod,
+    QuantResult,
+    choose_group_size,
+    degraded_reason,
+    quantizer_python,
+    run_quantizer,
+    servable_here,
+)
 from ._sign import (
     SIGNING_KEY_ENV,
     SigningError,
@@ -20,8 +32,9 @@ from ._sign import (
 )
 
 __all__ = [
-    "SIGNING_KEY_ENV", "BomClaims", "BomError", "Dataset", "DigestMismatch", "FileDigest", "ModelFacts",
-    "SigningError", "Tool", "VersionSpec", "build_bom", "compare", "digest_folder", "dump_bom",
-    "generate_keypair", "key_id", "load_public_pem", "load_signing_key", "model_facts", "public_pem",
-    "read_claims", "sha256_file", "sign", "validate_bom", "verify",
+    "METHODS", "QUANT_VENV_ENV", "SIGNING_KEY_ENV", "BomClaims", "BomError", "Dataset", "DigestMismatch", "FileDigest",
+    "ModelFacts", "QuantMethod", "QuantResult", "QuantizeError", "SigningError", "Tool", "VersionSpec", "build_bom",
+    "choose_group_size", "compare", "degraded_reason", "digest_folder", "dump_bom", "generate_keypair", "key_id",
+    "load_public_pem", "load_signing_key", "model_facts", "public_pem", "quantizer_python", "read_claims",
+    "run_quantizer", "servable_here", "sha256_file", "sign", "validate_bom", "verify",
 ]
