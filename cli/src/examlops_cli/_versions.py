@@ -183,6 +183,14 @@ def check_files(mv: reg.ModelVersion, folder: Path, progress: Callable[[str, int
         raise VerifyError(f"{mv.name}@{mv.version}: {exc}") from None
 
 
+def verify_here(mv: reg.ModelVersion, folder: Path | None = None) -> None:
+    """check_record against the keys trusted now, then re-hash `folder` (default: the registered path)."""
+    check_record(mv, trusted_keys())
+    where = folder or Path(mv.path)
+    with hashing(where, "verifying") as progress:
+        check_files(mv, where, progress)
+
+
 def file_digests(mv: reg.ModelVersion) -> list[FileDigest]:
     return [FileDigest(f.path, f.sha256, f.size) for f in mv.files]
 
@@ -196,10 +204,10 @@ def servable_version(ref: str, rehash: bool = True) -> reg.ModelVersion:
         fail(f"{label} is degraded ({mv.degraded_reason}): its transformation was recorded, not run, "
              "so there are no weights to serve")
     try:
-        check_record(mv, trusted_keys())
         if rehash:
-            with hashing(Path(mv.path), "verifying") as progress:
-                check_files(mv, Path(mv.path), progress)
+            verify_here(mv)
+        else:
+            check_record(mv, trusted_keys())
     except VerifyError as exc:
         fail(f"refusing to serve {label}: {exc}")
     return mv

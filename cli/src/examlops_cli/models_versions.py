@@ -18,13 +18,11 @@ from ._rpc import call
 from ._versions import (
     Registration,
     VerifyError,
-    check_files,
-    check_record,
     dataset_of,
     get_version,
     hashing,
     next_version,
-    trusted_keys,
+    verify_here,
 )
 from ._versions import register as register_version
 from .models import app
@@ -155,9 +153,7 @@ def verify_cmd(
     mv = get_version(ref)
     folder = path or Path(mv.path)
     try:
-        check_record(mv, trusted_keys())
-        with hashing(folder, "verifying") as progress:
-            check_files(mv, folder, progress)
+        verify_here(mv, folder)
     except VerifyError as exc:
         if Ctx.json:
             emit_json({"ref": f"{mv.name}@{mv.version}", "verified": False, "reason": str(exc)})

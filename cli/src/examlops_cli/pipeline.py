@@ -11,7 +11,7 @@ from examlops.registry.v1 import registry_pb2 as reg
 
 from ._output import Ctx, console, emit_json, fail
 from ._rpc import call
-from ._versions import VerifyError, check_files, check_record, get_version, hashing, trusted_keys
+from ._versions import VerifyError, get_version, verify_here
 from .models_versions import Ref, version_dict
 
 app = typer.Typer(help="Promotion of model versions.", no_args_is_help=True)
@@ -34,11 +34,8 @@ def promote(
     if mv.degraded:
         fail(f"not promoted: {mv.name}@{mv.version} is degraded ({mv.degraded_reason}): it was recorded, not "
              "produced, and cannot be served")
-    folder = path or Path(mv.path)
     try:
-        check_record(mv, trusted_keys())
-        with hashing(folder, "verifying") as progress:
-            check_files(mv, folder, progress)
+        verify_here(mv, path)
     except VerifyError as exc:
         fail(f"not promoted: {exc}")
     out = call("registry", "Promote", reg.PromoteRequest(name=mv.name, version=mv.version, alias=alias, force=force,

