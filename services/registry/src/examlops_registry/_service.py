@@ -17,6 +17,7 @@ from ._hpc_jobs import HpcJobServicerMixin, HpcJobStore
 from ._judges import JudgesServicerMixin, JudgeStore
 from ._prices import PricesServicerMixin, PriceStore
 from ._store import Conflict, NotFound, RegistryStore
+from ._trust import TrustServicerMixin, TrustStore
 from ._versions import VersionsServicerMixin, VersionStore
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
@@ -77,13 +78,14 @@ def normalise_registration(ep: pb.Endpoint) -> pb.Endpoint:
     return out
 
 
-class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, VersionsServicerMixin, JudgesServicerMixin,
-                       pb_grpc.RegistryServicer):
+class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, VersionsServicerMixin, TrustServicerMixin,
+                       JudgesServicerMixin, pb_grpc.RegistryServicer):
     def __init__(self, store: RegistryStore) -> None:
         self.store = store
         self.hpc_jobs = HpcJobStore(store.r)
         self.prices = PriceStore(store.r)
         self.versions = VersionStore(store.r)
+        self.keys = TrustStore(store.r)
         self.judges = JudgeStore(store.r)
 
     async def RegisterEndpoint(self, request: pb.RegisterEndpointRequest, context: Ctx) -> pb.Endpoint:

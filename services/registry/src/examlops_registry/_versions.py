@@ -1,8 +1,7 @@
-"""Model versions, their evals and aliases, and the keys whose signatures the registry trusts.
+"""Model versions, their evals and aliases (the keys they are checked against: _trust.py).
 
   {exa:reg}:model_versions  HASH  "NAME@V" -> ModelVersion (protobuf JSON)
   {exa:reg}:model_aliases   HASH  "NAME@ALIAS" -> V
-  {exa:reg}:trusted_keys    HASH  key_id -> TrustedKey (protobuf JSON)
 
 A version is immutable once registered: only its evals and aliases change. It is recorded only when
 its CycloneDX BOM validates, names NAME@V, lists exactly the files of the request, and carries an
@@ -18,119 +17,30 @@ import asyncio
 import hashlib
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import redis.asyncio as redis
 from redis.exceptions import WatchError
 
-from examlops.provenance import (
-    BomClaims,
-    BomError,
-    FileDigest,
-    SigningError,
-    key_id,
-    load_public_pem,
-    public_pem,
-    read_claims,
-    validate_bom,
-    verify,
-)
+from examlops.provenance import BomClaims, BomError, load_public_pem, verify
 from examlops.registry.v1 import registry_pb2 as pb
 from examlops.svc import abort, current_caller
 
-from ._checks import refuse_first
+from ._bom_checks import check_against_bom, check_stored, read_bom
+from ._checks import R, Refused, answer, few, refuse_first
 from ._prices import _audit
 from ._store import AUDIT, PROJECT_RESOURCES, from_json, now_ms, to_json
+from ._trust import TRUSTED_KEYS
 
 VERSIONS = "{exa:reg}:model_versions"
 ALIASES = "{exa:reg}:model_aliases"
-TRUSTED_KEYS = "{exa:reg}:trusted_keys"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 NAME_HELP = "use 1-63 characters of A-Z, a-z, 0-9, '.', '_' or '-', starting with a letter or digit"
 ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
-REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}@[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 Code = grpc.StatusCode
 FAILED = Code.FAILED_PRECONDITION
-R = TypeVar("R")
-
-
-class Refused(Exception):
-    """A request the registry will not carry out: the status code, the reason, the field."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str, field: str = "") -> None:
-        super().__init__(message)
-        self.code, self.reason, self.field = code, reason, field
-
-
-async def answer(context: grpc.aio.ServicerContext, work: Awaitable[R]) -> R:
-    """The result of `work`, or the call ended with the Refused it raised."""
-    try:
-        return await work
-    except Refused as exc:
-        await abort(context, exc.code, exc.reason, str(exc), exc.field)
-
-
-def _few(items: Iterable[str], limit: int = 20) -> str:
-    found = sorted(items)
-    return ", ".join(found[:limit]) + (f" and {len(found) - limit} more" if len(found) > limit else "") or "none"
-
-
-def read_bom(text: str) -> BomClaims:
-    """What a BOM claims, once it validates against CycloneDX 1.6 (CPU work: run it in a thread)."""
-    try:
-        validate_bom(text)
-    except BomError:
-        raise
-    except ValueError as exc:  # the validator reads the text as JSON first
-        raise BomError(f"the BOM is not JSON: {exc}") from None
-    return read_claims(text)
-
-
-def check_against_bom(mv: pb.ModelVersion, claims: BomClaims) -> None:
-    """Refuse a record whose name, files, parent, quantization or degraded mode differ from its BOM's."""
-    ref = f"{mv.name}@{mv.version}"
-    if (claims.name, claims.version) != (mv.name, mv.version):
-        raise Refused(FAILED, "bom_mismatch", f"the BOM describes {claims.name}@{claims.version}, not {ref}: "
-                                              "a BOM is signed for one version only", "bom_json")
-    if claims.parent and not REF_RE.match(claims.parent):
-        raise Refused(Code.INVALID_ARGUMENT, "bom_invalid", f"the BOM's parent {claims.parent!r} is not NAME@V",
-                      "bom_json")
-    if len({d.path for d in claims.files}) != len(claims.files):
-        raise Refused(Code.INVALID_ARGUMENT, "bom_invalid", "the BOM lists a file twice", "bom_json")
-    if not claims.files and not claims.degraded_reason:
-        raise Refused(Code.INVALID_ARGUMENT, "bom_invalid", f"the BOM of {ref} lists no files", "bom_json")
-    problem = files_problem(claims.files, [FileDigest(f.path, f.sha256, f.size) for f in mv.files])
-    if problem:
-        raise Refused(FAILED, "files_mismatch", f"the files of {ref} differ from its BOM's: {problem}", "files")
-    for field, given, claimed in [("parent", mv.parent, claims.parent),
-                                  ("quantization", mv.quantization, claims.quantization),
-                                  ("degraded_reason", mv.degraded_reason, claims.degraded_reason),
-                                  ("degraded", str(mv.degraded).lower(), str(bool(claims.degraded_reason)).lower())]:
-        if given != claimed:
-            raise Refused(FAILED, "bom_mismatch", f"{field} {given!r} of {ref} differs from its BOM's {claimed!r}",
-                          field)
-
-
-def files_problem(claimed: list[FileDigest], listed: list[FileDigest]) -> str:
-    """The first difference between the BOM's files and the listed ones, in words; "" when none."""
-    have: dict[str, FileDigest] = {}
-    for d in listed:
-        if d.path in have:
-            return f"{d.path} is listed twice"
-        have[d.path] = d
-    want = {d.path: d for d in claimed}
-    for path in sorted(want.keys() | have.keys()):
-        w, h = want.get(path), have.get(path)
-        if h is None:
-            return f"{path} is in the BOM but not in the files listed"
-        if w is None:
-            return f"{path} is listed but not in the BOM"
-        if (w.sha256, w.size) != (h.sha256, h.size):
-            return (f"{path} has SHA-256 {h.sha256[:16]}… ({h.size} bytes), the BOM {w.sha256[:16]}… "
-                    f"({w.size} bytes)")
-    return ""
 
 
 def _resolve_failure(name: str, wanted: str, keys: list[str], aliases: list[str]) -> Refused:
@@ -138,10 +48,10 @@ def _resolve_failure(name: str, wanted: str, keys: list[str], aliases: list[str]
     if not versions:
         models = {k.partition("@")[0] for k in keys}
         return Refused(Code.NOT_FOUND, "model_not_found",
-                       f"no model named {name!r}; registered models: {_few(models)}", "name")
+                       f"no model named {name!r}; registered models: {few(models)}", "name")
     held = [a.partition("@")[2] for a in aliases if a.partition("@")[0] == name]
     return Refused(Code.NOT_FOUND, "version_not_found", f"{name} has no version or alias {wanted!r}; "
-                   f"versions: {_few(versions)}; aliases: {_few(held)}", "version")
+                   f"versions: {few(versions)}; aliases: {few(held)}", "version")
 
 
 class VersionStore:
@@ -293,48 +203,8 @@ class VersionStore:
 
         return await self._transact(body)
 
-    async def trust(self, key: pb.TrustedKey, actor: str) -> pb.TrustedKey:
-        before = await self.r.hget(TRUSTED_KEYS, key.key_id)
-        key.added_at_ms, key.added_by = now_ms(), current_caller().name
-        after = to_json(key)
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(TRUSTED_KEYS, key.key_id, after)
-            pipe.xadd(AUDIT, _audit(actor, "model.trust.add", f"signing_key:{key.key_id}", before or "", after,
-                                    key.added_at_ms))
-            await pipe.execute()
-        return key
-
-    async def distrust(self, kid: str, actor: str) -> pb.TrustedKey:
-        before = await self.r.hget(TRUSTED_KEYS, kid)
-        if before is None:
-            trusted = await self.r.hkeys(TRUSTED_KEYS)
-            raise Refused(Code.NOT_FOUND, "key_not_found", f"key {kid!r} is not trusted; trusted keys: "
-                                                           f"{_few(trusted)}", "key_id")
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hdel(TRUSTED_KEYS, kid)
-            pipe.xadd(AUDIT, _audit(actor, "model.trust.remove", f"signing_key:{kid}", before, "", now_ms()))
-            await pipe.execute()
-        return from_json(before, pb.TrustedKey)
-
-    async def trusted(self) -> list[pb.TrustedKey]:
-        raw = await self.r.hgetall(TRUSTED_KEYS)
-        return sorted((from_json(v, pb.TrustedKey) for v in raw.values()), key=lambda k: (k.name, k.key_id))
-
-
-def check_stored(mv: pb.ModelVersion) -> None:
-    """A stored record still matches its (signed) BOM: its digest, its name, its files and claims."""
-    if hashlib.sha256(mv.bom_json.encode()).hexdigest() != mv.bom_sha256:
-        raise Refused(FAILED, "bom_mismatch", f"the BOM of {mv.name}@{mv.version} no longer has the SHA-256 "
-                                              "recorded at registration", "bom_json")
-    try:
-        claims = read_claims(mv.bom_json)
-    except BomError as exc:
-        raise Refused(FAILED, "bom_invalid", str(exc), "bom_json") from None
-    check_against_bom(mv, claims)
-
-
 class VersionsServicerMixin:
-    """Model versions, evals, aliases and trusted keys of the Registry service."""
+    """Model versions, evals and aliases of the Registry service."""
 
     versions: VersionStore
 
@@ -388,25 +258,3 @@ class VersionsServicerMixin:
              "a forced promotion needs a reason: skipping the eval gate is audited with it"),
         ])
         return await answer(context, self.versions.promote(request))
-
-    async def AddTrustedKey(self, request: pb.AddTrustedKeyRequest,
-                            context: grpc.aio.ServicerContext) -> pb.TrustedKey:
-        given = request.key
-        try:
-            public = load_public_pem(given.public_key_pem, "public_key_pem")
-        except SigningError as exc:
-            await abort(context, Code.INVALID_ARGUMENT, "invalid_key", str(exc), "public_key_pem")
-        kid = key_id(public)
-        if given.key_id and given.key_id != kid:
-            await abort(context, Code.INVALID_ARGUMENT, "key_id_mismatch",
-                        f"key_id {given.key_id!r} is not the id of this public key ({kid})", "key_id")
-        key = pb.TrustedKey(key_id=kid, public_key_pem=public_pem(public), name=given.name)
-        return await self.versions.trust(key, request.actor)
-
-    async def ListTrustedKeys(self, request: pb.ListTrustedKeysRequest,
-                              context: grpc.aio.ServicerContext) -> pb.ListTrustedKeysResponse:
-        return pb.ListTrustedKeysResponse(keys=await self.versions.trusted())
-
-    async def RemoveTrustedKey(self, request: pb.RemoveTrustedKeyRequest,
-                               context: grpc.aio.ServicerContext) -> pb.TrustedKey:
-        return await answer(context, self.versions.distrust(request.key_id, request.actor))

@@ -57,16 +57,20 @@ def digest_folder(folder: Path, progress: Callable[[str, int], None] | None = No
     return out
 
 
-def compare(expected: list[FileDigest], actual: list[FileDigest]) -> None:
-    """Raise DigestMismatch naming the first file that is missing, extra or changed."""
+def compare(expected: list[FileDigest], actual: list[FileDigest], where: str = "the folder") -> None:
+    """Raise DigestMismatch naming the first file that is listed twice, missing, extra or changed."""
+    have: dict[str, FileDigest] = {}
+    for d in actual:
+        if d.path in have:
+            raise DigestMismatch(d.path, f"{d.path}: listed twice in {where}")
+        have[d.path] = d
     want = {d.path: d for d in expected}
-    have = {d.path: d for d in actual}
     for path in sorted(want.keys() | have.keys()):
         w, h = want.get(path), have.get(path)
         if h is None:
-            raise DigestMismatch(path, f"{path}: listed in the BOM but missing from the folder")
+            raise DigestMismatch(path, f"{path}: listed in the BOM but missing from {where}")
         if w is None:
-            raise DigestMismatch(path, f"{path}: in the folder but not listed in the BOM")
+            raise DigestMismatch(path, f"{path}: in {where} but not listed in the BOM")
         if (w.sha256, w.size) != (h.sha256, h.size):
-            raise DigestMismatch(path, f"{path}: SHA-256 {h.sha256[:16]}… differs from the BOM's "
-                                       f"{w.sha256[:16]}… (the file was changed)")
+            raise DigestMismatch(path, f"{path}: SHA-256 {h.sha256[:16]}… ({h.size} bytes) differs from the BOM's "
+                                       f"{w.sha256[:16]}… ({w.size} bytes): the file was changed")
