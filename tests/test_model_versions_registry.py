@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
-import uuid
-from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -23,74 +18,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from examlops.provenance import (
-    Tool,
-    VersionSpec,
-    build_bom,
-    digest_folder,
-    dump_bom,
-    generate_keypair,
     key_id,
-    load_signing_key,
-    model_facts,
     public_pem,
     sign,
 )
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
-from examlops.svc import error_reason
 from examlops_testsupport.fixtures import TEST_OPERATOR, RedisServer, Stack
+from examlops_testsupport.models import Signer, refusal, tiny_model, unique, version
 
 VERSIONS = "{exa:reg}:model_versions"
-
-
-def model_folder(where: Path, seed: str) -> Path:
-    """A tiny Hugging Face style folder: config, a safetensors file with a real header, a tokenizer config."""
-    where.mkdir(parents=True)
-    (where / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                   "hidden_size": 4, "torch_dtype": "bfloat16"}))
-    header = json.dumps({"w": {"dtype": "BF16", "shape": [2, 4], "data_offsets": [0, 16]}}).encode()
-    data = hashlib.sha256(seed.encode()).digest()[:16]
-    (where / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
-    (where / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    return where
-
-
-class Signer:
-    def __init__(self, where: Path) -> None:
-        priv, pub, self.key_id = generate_keypair(where)
-        self.key = load_signing_key(priv)
-        self.pem = pub.read_text()
-
-
-def version(name: str, v: str, folder: Path | None, signer: Signer, parent: reg.ModelVersion | None = None,
-            quantization: str = "", degraded_reason: str = "", project: str = "") -> reg.ModelVersion:
-    """The registration request `exa models register` sends (a degraded version may have no folder)."""
-    files = digest_folder(folder) if folder is not None else []
-    spec = VersionSpec(name=name, version=v, files=files,
-                       facts=model_facts(folder) if folder is not None else model_facts(Path("/nonexistent")),
-                       parent=f"{parent.name}@{parent.version}" if parent else "",
-                       parent_bom_sha256=parent.bom_sha256 if parent else "",
-                       quantization={"method": quantization, "scheme": "W8A8"} if quantization else {},
-                       degraded_reason=degraded_reason, tools=[Tool("examlops", "1.0")], project=project)
-    text = dump_bom(build_bom(spec, datetime(2025, 1, 2, tzinfo=UTC)))
-    return reg.ModelVersion(
-        name=name, version=v, path=str(folder or ""), bom_json=text, signature=sign(signer.key, text),
-        key_id=signer.key_id, parent=spec.parent, quantization=quantization, degraded=bool(degraded_reason),
-        degraded_reason=degraded_reason, project=project,
-        files=[reg.FileDigest(path=d.path, sha256=d.sha256, size=d.size) for d in files])
-
-
-def refusal(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str, str, str]:
-    """(code, reason, field, message) of a refused call."""
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    err: Any = info.value
-    reason, field = error_reason(err)
-    return err.code(), reason, field, err.details() or ""
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +79,7 @@ def promote(stack: Stack, mv: reg.ModelVersion, alias: str, force: bool = False,
 
 def test_register_get_and_list(stack: Stack, signer: Signer, tmp_path: Path) -> None:
     name = unique("smol")
-    base = version(name, "1", model_folder(tmp_path / "base", "base"), signer, project="acme")
+    base = version(name, "1", tiny_model(tmp_path / "base", "base"), signer, project="acme")
     mv = register(stack, base)
     assert (mv.created_by, mv.key_id, mv.project) == (TEST_OPERATOR, signer.key_id, "acme")
     assert mv.bom_sha256 == hashlib.sha256(base.bom_json.encode()).hexdigest() and mv.created_at_ms > 0
@@ -150,7 +87,7 @@ def test_register_get_and_list(stack: Stack, signer: Signer, tmp_path: Path) -> 
     assert sorted(f.path for f in mv.files) == ["config.json", "model.safetensors", "tokenizer_config.json"]
     assert get(stack, name, "1") == mv
 
-    quant = version(name, "1-w8a8", model_folder(tmp_path / "q", "quantized"), signer, parent=mv,
+    quant = version(name, "1-w8a8", tiny_model(tmp_path / "q", "quantized"), signer, parent=mv,
                     quantization="w8a8")
     derived = register(stack, quant)
     assert (derived.parent, derived.quantization) == (f"{name}@1", "w8a8")
@@ -253,7 +190,7 @@ CODES = {"version_exists": grpc.StatusCode.ALREADY_EXISTS, "bom_invalid": grpc.S
 
 def test_every_refused_registration_leaves_nothing_written(stack: Stack, signer: Signer, tmp_path: Path) -> None:
     name = unique("refused")
-    folder = model_folder(tmp_path / "m", "m")
+    folder = tiny_model(tmp_path / "m", "m")
     stranger = Signer(tmp_path / "stranger")
     first = register(stack, version(name, "1", folder, signer))
     audit_before = len(events(stack, "", "model.register"))
@@ -276,7 +213,7 @@ def test_every_refused_registration_leaves_nothing_written(stack: Stack, signer:
 
 def test_promotion_needs_a_passing_eval_unless_forced_with_a_reason(stack: Stack, signer: Signer,
                                                                     tmp_path: Path) -> None:
-    mv = register(stack, version(unique("gate"), "1", model_folder(tmp_path / "m", "gate"), signer))
+    mv = register(stack, version(unique("gate"), "1", tiny_model(tmp_path / "m", "gate"), signer))
     code, reason, _, message = refusal(lambda: promote(stack, mv, "Production"))
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "eval_missing"), message
     evaluated = evaluate(stack, mv, passed=True)
@@ -298,8 +235,8 @@ def test_promotion_needs_a_passing_eval_unless_forced_with_a_reason(stack: Stack
 
 def test_an_alias_moves_between_versions(stack: Stack, signer: Signer, tmp_path: Path) -> None:
     name = unique("alias")
-    one = register(stack, version(name, "1", model_folder(tmp_path / "1", "one"), signer))
-    two = register(stack, version(name, "2", model_folder(tmp_path / "2", "two"), signer))
+    one = register(stack, version(name, "1", tiny_model(tmp_path / "1", "one"), signer))
+    two = register(stack, version(name, "2", tiny_model(tmp_path / "2", "two"), signer))
     for mv in (one, two):
         evaluate(stack, mv, passed=True)
     promote(stack, one, "Production")
@@ -311,7 +248,7 @@ def test_an_alias_moves_between_versions(stack: Stack, signer: Signer, tmp_path:
     assert json.loads(moved.before_json) == {"alias": "Production", "version": "1"}
     code, reason, _, _ = refusal(lambda: promote(stack, one, "1bad"))
     assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "invalid_promotion")
-    three = version(name, "Production", model_folder(tmp_path / "3", "three"), signer)
+    three = version(name, "Production", tiny_model(tmp_path / "3", "three"), signer)
     code, reason, _, _ = refusal(lambda: register(stack, three))
     assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "version_is_alias")
     code, reason, _, message = refusal(lambda: get(stack, name, "Staging"))
@@ -323,7 +260,7 @@ def test_promotion_rechecks_the_signature_against_the_keys_trusted_now(
     revoked = Signer(tmp_path / "revoked")
     r = stack.registry()
     r.AddTrustedKey(reg.AddTrustedKeyRequest(key=reg.TrustedKey(public_key_pem=revoked.pem)), timeout=5)
-    mv = register(stack, version(unique("revoked"), "1", model_folder(tmp_path / "m", "r"), revoked))
+    mv = register(stack, version(unique("revoked"), "1", tiny_model(tmp_path / "m", "r"), revoked))
     evaluate(stack, mv, passed=True)
     r.RemoveTrustedKey(reg.RemoveTrustedKeyRequest(key_id=revoked.key_id), timeout=5)
     code, reason, _, message = refusal(lambda: promote(stack, mv, "Production"))
@@ -333,7 +270,7 @@ def test_promotion_rechecks_the_signature_against_the_keys_trusted_now(
     assert not get(stack, mv.name, "1").aliases and not events(stack, f"model:{mv.name}@1", "model.promote")
 
     # A record changed in Redis behind the registry's back: one character of its BOM.
-    other = register(stack, version(unique("tampered"), "1", model_folder(tmp_path / "t", "t"), signer))
+    other = register(stack, version(unique("tampered"), "1", tiny_model(tmp_path / "t", "t"), signer))
     evaluate(stack, other, passed=True)
     client = redis_server.client()
     ref = f"{other.name}@1"
@@ -351,7 +288,7 @@ def test_promotion_rechecks_the_signature_against_the_keys_trusted_now(
 
 def test_a_degraded_version_is_never_promoted(stack: Stack, signer: Signer, tmp_path: Path) -> None:
     name = unique("degraded")
-    base = register(stack, version(name, "1", model_folder(tmp_path / "m", "d"), signer))
+    base = register(stack, version(name, "1", tiny_model(tmp_path / "m", "d"), signer))
     why = "no GPU: the quantization was recorded, not run"
     lying = version(name, "1-w4a16", None, signer, parent=base, quantization="w4a16", degraded_reason=why)
     lying.degraded, lying.degraded_reason = False, ""
@@ -370,7 +307,7 @@ def test_a_degraded_version_is_never_promoted(stack: Stack, signer: Signer, tmp_
 
 
 def test_an_eval_of_other_files_is_refused(stack: Stack, signer: Signer, tmp_path: Path) -> None:
-    mv = register(stack, version(unique("eval"), "1", model_folder(tmp_path / "m", "e"), signer))
+    mv = register(stack, version(unique("eval"), "1", tiny_model(tmp_path / "m", "e"), signer))
     code, reason, field, message = refusal(lambda: evaluate(stack, mv, passed=True, bom_sha256="ab" * 32))
     assert (code, reason, field) == (grpc.StatusCode.FAILED_PRECONDITION, "eval_mismatch", "result.bom_sha256")
     assert "other files" in message
