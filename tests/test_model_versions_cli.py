@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from examlops.provenance import validate_bom
 from examlops.registry.v1 import registry_pb2 as reg
@@ -154,6 +155,18 @@ def test_promote_needs_a_passing_eval_and_serving_resolves_the_alias(stack: Stac
     assert plan.returncode == 0, plan.stderr
     argv = json.loads(plan.stdout)["argv"]
     assert str(folder.resolve()) in argv and "--quantization" not in argv
+    # On KServe the alias resolves too: the version comes from the cluster's model store.
+    (pack / "tiny-promo.yaml").write_text((pack / "tiny-ep.yaml").read_text())
+    out = stack.cli("--json", "serve", "manifest", "tiny-promo", "--alias", "Production", "--gpus", "1",
+                    env={"EXAMLOPS_USECASE_DIR": str(tmp_path / "pack")})
+    assert out.returncode == 0, out.stderr
+    manifest = yaml.safe_load(json.loads(out.stdout)["manifest"])
+    assert manifest["spec"]["model"]["uri"] == "pvc://examlops-models/tiny-promo/1"
+    assert manifest["metadata"]["annotations"] == {"examlops.io/model-version": "tiny-promo@1"}
+    assert manifest["spec"]["template"]["containers"][0]["command"][2] == "/mnt/models"
+    unknown = stack.cli("serve", "manifest", "tiny-promo", "--alias", "Nowhere",
+                        env={"EXAMLOPS_USECASE_DIR": str(tmp_path / "pack")})
+    assert unknown.returncode == 1 and "Nowhere" in unknown.stderr
     # A failing eval after the promotion blocks the next one (force with a reason is audited).
     record_eval(stack, "tiny-promo", "1", str(mv["bom_sha256"]), passed=False)
     code, _, err = cli(stack, keys, "pipeline", "promote", "tiny-promo@1", "--alias", "Staging")
@@ -176,3 +189,13 @@ def record_eval(stack: Stack, name: str, version: str, bom_sha256: str, passed: 
         name=name, version=version, actor="tests", result=reg.EvalResult(
             perplexity=30.0, task_score=0.5, task_count=10, suite="tests", target="tests", passed=passed,
             gate="tests", reason="" if passed else "tests: failed", bom_sha256=bom_sha256)), timeout=10)
+
+
+def test_methods_say_what_this_host_can_run_and_serve(stack: Stack) -> None:
+    rows = {r["method"]: r for r in json.loads(stack.cli("--json", "models", "methods").stdout)}
+    assert set(rows) == {"w8a8", "w4a16", "fp8", "gptq", "awq"}
+    assert rows["gptq"]["needs_calibration"] and not rows["w8a8"]["needs_calibration"]
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    if rows["fp8"]["quantizer_here"]:  # without the quantizer environment every method is degraded here
+        assert rows["fp8"]["servable_here"] is amx and (amx or "AMX" in rows["fp8"]["reason"])
+
