@@ -79,8 +79,8 @@ def leases(redis_server: RedisServer) -> Iterator[Leases]:
 def test_a_live_replicas_reservation_is_kept_for_its_lease_and_returned_after(leases: Leases) -> None:
     """REQUEST_TIMEOUT_S + RESERVATION_GRACE_S is the lease: before it ends a live replica's call is
     still running and keeps its reservation; after, the reservation is returned."""
-    start = leases.redis_ms()
     res_id = leases.reserve("alive", lease_ms=1500)
+    start = leases.redis_ms()  # after the reserve: its lease runs from the reserve's own clock reading
     reserved = leases.fields()["reserved"]
     assert int(reserved) > 0
     assert leases.reap("alive") == 0 and leases.open() == [res_id]  # live and within its lease: kept
