@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+examlops/engine_proxy/v1/engine_proxy.proto\x12\x18\x65xamlops.engine_proxy.v1\"\x7f\n\x0fGenerateRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32%.examlops.engine_proxy.v1.RequestKind\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x8b\x01\n\rGenerateChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12.\n\x05usage\x18\x03 \x01(\x0b\x32\x1f.examlops.engine_proxy.v1.Usage\x12\x1b\n\x13media_parts_dropped\x18\x04 \x01(\x05\x12\x10\n\x08warnings\x18\x05 \x03(\t\"\x13\n\x11ListRoutesRequest\"X\n\x05Route\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08routable\x18\x05 \x01(\x08\"E\n\x12ListRoutesResponse\x12/\n\x06routes\x18\x01 \x03(\x0b\x32\x1f.examlops.engine_proxy.v1.Route*_\n\x0bRequestKind\x12\x1c\n\x18REQUEST_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11REQUEST_KIND_CHAT\x10\x01\x12\x1b\n\x17REQUEST_KIND_COMPLETION\x10\x02\x32\xd8\x01\n\x0b\x45ngineProxy\x12`\n\x08Generate\x12).examlops.engine_proxy.v1.GenerateRequest\x1a\'.examlops.engine_proxy.v1.GenerateChunk0\x01\x12g\n\nListRoutes\x12+.examlops.engine_proxy.v1.ListRoutesRequest\x1a,.examlops.engine_proxy.v1.ListRoutesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+examlops/engine_proxy/v1/engine_proxy.proto\x12\x18\x65xamlops.engine_proxy.v1\"\x7f\n\x0fGenerateRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32%.examlops.engine_proxy.v1.RequestKind\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x8b\x01\n\rGenerateChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12.\n\x05usage\x18\x03 \x01(\x0b\x32\x1f.examlops.engine_proxy.v1.Usage\x12\x1b\n\x13media_parts_dropped\x18\x04 \x01(\x05\x12\x10\n\x08warnings\x18\x05 \x03(\t\"\x13\n\x11ListRoutesRequest\"X\n\x05Route\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08routable\x18\x05 \x01(\x08\"E\n\x12ListRoutesResponse\x12/\n\x06routes\x18\x01 \x03(\x0b\x32\x1f.examlops.engine_proxy.v1.Route*|\n\x0bRequestKind\x12\x1c\n\x18REQUEST_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11REQUEST_KIND_CHAT\x10\x01\x12\x1b\n\x17REQUEST_KIND_COMPLETION\x10\x02\x12\x1b\n\x17REQUEST_KIND_EMBEDDINGS\x10\x03\x32\xd8\x01\n\x0b\x45ngineProxy\x12`\n\x08Generate\x12).examlops.engine_proxy.v1.GenerateRequest\x1a\'.examlops.engine_proxy.v1.GenerateChunk0\x01\x12g\n\nListRoutes\x12+.examlops.engine_proxy.v1.ListRoutesRequest\x1a,.examlops.engine_proxy.v1.ListRoutesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,7 +33,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'examlops.engine_proxy.v1.en
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTKIND']._serialized_start=585
-  _globals['_REQUESTKIND']._serialized_end=680
+  _globals['_REQUESTKIND']._serialized_end=709
   _globals['_GENERATEREQUEST']._serialized_start=73
   _globals['_GENERATEREQUEST']._serialized_end=200
   _globals['_USAGE']._serialized_start=202
@@ -46,6 +46,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTE']._serialized_end=512
   _globals['_LISTROUTESRESPONSE']._serialized_start=514
   _globals['_LISTROUTESRESPONSE']._serialized_end=583
-  _globals['_ENGINEPROXY']._serialized_start=683
-  _globals['_ENGINEPROXY']._serialized_end=899
+  _globals['_ENGINEPROXY']._serialized_start=712
+  _globals['_ENGINEPROXY']._serialized_end=928
 # @@protoc_insertion_point(module_scope)

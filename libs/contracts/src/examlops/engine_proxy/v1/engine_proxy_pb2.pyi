@@ -13,9 +13,11 @@ class RequestKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_KIND_UNSPECIFIED: _ClassVar[RequestKind]
     REQUEST_KIND_CHAT: _ClassVar[RequestKind]
     REQUEST_KIND_COMPLETION: _ClassVar[RequestKind]
+    REQUEST_KIND_EMBEDDINGS: _ClassVar[RequestKind]
 REQUEST_KIND_UNSPECIFIED: RequestKind
 REQUEST_KIND_CHAT: RequestKind
 REQUEST_KIND_COMPLETION: RequestKind
+REQUEST_KIND_EMBEDDINGS: RequestKind
 
 class GenerateRequest(_message.Message):
     __slots__ = ("endpoint", "kind", "body_json", "request_id")
