@@ -40,6 +40,8 @@ class CliSettings(BaseSettings):
     admin_key: SecretStr = Field(default=SecretStr(DEFAULT_ADMIN_KEY))
     actor: str = Field(default="", description="Who the audit trail names; defaults to the OS user.")
     rpc_timeout_s: float = Field(default=15.0, gt=0)
+    rag_dir: str = Field(default="", description=(
+        "Where `exa rag` keeps its collections; default: ${XDG_DATA_HOME:-~/.local/share}/examlops/rag."))
 
     @model_validator(mode="before")
     @classmethod

@@ -29,16 +29,25 @@ app.add_typer(key_app, name="key")
 app.add_typer(price_app, name="price")
 
 
-def gateway_request(method: str, path: str, key: str | None = None, **kwargs: object) -> httpx.Response:
+def gateway_send(method: str, path: str, key: str | None = None, **kwargs: object) -> httpx.Response:
+    """One call to the gateway with the admin key (or `key`); raises httpx.HTTPError when unreachable."""
     s = Ctx.settings()
     headers = {"Authorization": f"Bearer {key or s.admin_key.get_secret_value()}",
                "X-Examlops-Actor": Ctx.actor()}
+    return httpx.request(method, s.gateway_url.rstrip("/") + path, headers=headers,
+                         timeout=600, **kwargs)  # type: ignore[arg-type]
+
+
+def unreachable_line(exc: httpx.HTTPError) -> str:
+    return (f"cannot reach the gateway at {Ctx.settings().gateway_url} ({type(exc).__name__}); "
+            "is the stack up? `make up`, or set EXAMLOPS_GATEWAY_URL")
+
+
+def gateway_request(method: str, path: str, key: str | None = None, **kwargs: object) -> httpx.Response:
     try:
-        return httpx.request(method, s.gateway_url.rstrip("/") + path, headers=headers,
-                             timeout=600, **kwargs)  # type: ignore[arg-type]
+        return gateway_send(method, path, key, **kwargs)
     except httpx.HTTPError as exc:
-        fail(f"cannot reach the gateway at {s.gateway_url} ({type(exc).__name__}); "
-             "is the stack up? `make up`, or set EXAMLOPS_GATEWAY_URL")
+        fail(unreachable_line(exc))
 
 
 def error_line(resp: httpx.Response) -> str:
