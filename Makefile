@@ -39,7 +39,7 @@ system-deps: ## Install Redis (Debian package), when missing: all the local stac
 test-deps: system-deps ## Install Slurm, munge and an SSH server for the launcher tests (Debian packages), when missing
 	@$(call quietly,bash scripts/slurm-local.sh install && bash scripts/sshd-local.sh install)
 
-vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 model folder
+vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 and MiniLM model folders
 	@bash scripts/vllm-env.sh >/dev/null
 
 quant-env: ## Build (once, cached) the quantizer environment (llm-compressor, kept apart from vLLM's)
@@ -64,7 +64,8 @@ logs: ## Follow the logs of the local stack
 	@tail -n 20 -F .run/logs/*.log
 
 test: venv test-deps vllm-env quant-env ## Run every test tier (installs what it needs; starts its own servers)
-	@eval "$$(bash scripts/vllm-env.sh)" && export EXAMLOPS_VLLM_VENV="$$VLLM_VENV" EXAMLOPS_SMOL_MODEL_DIR="$$SMOL_MODEL_DIR" && \
+	@eval "$$(bash scripts/vllm-env.sh)" && export EXAMLOPS_VLLM_VENV="$$VLLM_VENV" EXAMLOPS_SMOL_MODEL_DIR="$$SMOL_MODEL_DIR" \
+	    EXAMLOPS_MINILM_MODEL_DIR="$$MINILM_MODEL_DIR" && \
 	  eval "$$(bash scripts/quant-env.sh)" && export EXAMLOPS_QUANT_VENV="$$QUANT_VENV" && \
 	  $(PY) scripts/gen-protos.py --check && $(PY) -m pytest -q
 

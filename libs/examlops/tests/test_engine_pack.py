@@ -31,7 +31,7 @@ def write(path: Path, text: str) -> Path:
 def test_the_sample_pack_validates() -> None:
     results = validate_pack_dir(SAMPLE_PACK)
     names = sorted(path.stem for path, _ in results)
-    assert names == ["echo", "llama-8b", "qwen-vl", "smol"]
+    assert names == ["echo", "llama-8b", "minilm", "qwen-vl", "smol"]
     assert [str(error) for _, error in results if error is not None] == []
 
 

@@ -44,7 +44,7 @@ RENDERED_DESTS = [
     "max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization",
     "kv_cache_dtype", "enable_chunked_prefill", "enable_prefix_caching", "speculative_config",
     "spec_method", "spec_model", "spec_tokens", "limit_mm_per_prompt", "allowed_media_domains",
-    "allowed_local_media_path", "mm_processor_cache_gb", "api_key", "config",
+    "allowed_local_media_path", "mm_processor_cache_gb", "api_key", "config", "runner", "convert",
 ]
 #: Flags a model file may pass through extra_args, and the namespace value each must produce.
 EXTRA_ARGS: list[tuple[list[str], str, Any]] = [
@@ -147,6 +147,12 @@ def engine_blocks(draw: st.DrawFn) -> dict[str, Any]:
             block[key] = draw(st.none() | strategy if nullable else strategy)
     chosen = draw(st.lists(st.integers(0, len(EXTRA_ARGS) - 1), unique=True, max_size=3))
     block["extra_args"] = [token for i in chosen for token in EXTRA_ARGS[i][0]]
+    if draw(st.booleans()):
+        block["task"] = draw(st.sampled_from(["generate", "embed"]))
+    if block.get("task") == "embed":  # what an embedding block cannot have
+        if block.get("speculative_decoding"):
+            block["speculative_decoding"] = {**block["speculative_decoding"], "enabled": False}
+        block.pop("multimodal", None)
     return block
 
 
@@ -171,6 +177,8 @@ def expected_namespace(block: EngineBlock, model: str | None, port: int | None) 
         "allowed_media_domains": (policy.allowed_media_domains or [DENY_ALL_MEDIA_DOMAINS]) if media else None,
         "allowed_local_media_path": (policy.allowed_local_media_path or "") if media else "",
         "api_key": None,
+        "runner": "pooling" if block.task == "embed" else "auto",
+        "convert": "auto",
     }
     if port is not None:
         expected["port"] = port
@@ -208,7 +216,7 @@ def test_vllm_parses_every_valid_block_into_the_blocks_values(
 
 
 def test_the_sample_pack_renders_argvs_vllm_accepts(vllm: VllmArgvChecker) -> None:
-    specs = [find_model(n, SAMPLE_PACK) for n in ("smol", "llama-8b", "qwen-vl")]
+    specs = [find_model(n, SAMPLE_PACK) for n in ("smol", "llama-8b", "qwen-vl", "minilm")]
     commands = [render_vllm_command(s.engine, environ={"LLAMA_8B_API_KEY": "k"}) for s in specs]
     commands.append(render_vllm_command(specs[0].engine, model="/tmp/smollm2-135m-instruct"))
     for result in vllm.parse([c.argv for c in commands]):

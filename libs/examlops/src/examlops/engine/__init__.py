@@ -31,14 +31,17 @@ from ._render import (
 )
 from ._schema import (
     DTYPES,
+    EMBED_ENGINES,
     ENGINE_ALIASES,
     ENGINES,
     KV_CACHE_DTYPES,
     QUANTIZATION_FOR_DTYPE,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
+    TASKS,
     EngineBlock,
     SpeculativeDecoding,
+    task_of,
 )
 from ._sglang import render_sglang_command
 from ._vllm_check import (
@@ -54,6 +57,7 @@ from ._vllm_check import (
 __all__ = [
     "DENY_ALL_MEDIA_DOMAINS",
     "DTYPES",
+    "EMBED_ENGINES",
     "ENGINES",
     "ENGINE_ALIASES",
     "KV_CACHE_DTYPES",
@@ -63,6 +67,7 @@ __all__ = [
     "QUANTIZATION_FOR_DTYPE",
     "SGLANG_OWNED_FLAGS",
     "SPECULATIVE_METHODS",
+    "TASKS",
     "USECASE_DIR_ENV",
     "VLLM_API_KEY_ENV",
     "VLLM_OWNED_FLAGS",
@@ -93,6 +98,7 @@ __all__ = [
     "render_sglang_command",
     "render_vllm_command",
     "require_vllm_python",
+    "task_of",
     "validate_pack_dir",
     "vllm_speculative_config",
     "vllm_venv_dir",

@@ -71,6 +71,10 @@ def render_vllm_command(
     if block.served_model_name is not None:
         argv += ["--served-model-name", block.served_model_name]
     argv += _listen_args(block, host, port)
+    if block.task == "embed":
+        # The pooling runner serves /v1/embeddings; its --convert default (auto) keeps a native
+        # embedding model (BertModel) as it is and adapts a generative checkpoint to embed.
+        argv += ["--runner", "pooling"]
     argv += ["--dtype", block.engine_dtype]
     if (quantization := block.effective_quantization) is not None:
         argv += ["--quantization", quantization]

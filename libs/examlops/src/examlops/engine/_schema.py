@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import typing
 from typing import Annotated, Any, Literal
@@ -23,6 +24,7 @@ Quantization = Literal[
 ]
 KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]
 SpeculativeMethod = Literal["draft_model", "ngram", "eagle", "eagle3", "mtp"]
+Task = Literal["generate", "embed"]
 
 ENGINES: tuple[str, ...] = typing.get_args(EngineName)
 #: Spellings that mean another engine; the block stores the canonical name.
@@ -31,6 +33,9 @@ DTYPES: tuple[str, ...] = typing.get_args(DType)
 QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
 KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KvCacheDType)
 SPECULATIVE_METHODS: tuple[str, ...] = typing.get_args(SpeculativeMethod)
+TASKS: tuple[str, ...] = typing.get_args(Task)
+#: Engines that serve `task: embed` (vLLM's pooling server, and echo's deterministic vectors).
+EMBED_ENGINES: tuple[str, ...] = ("vllm-server", "echo")
 #: Methods whose drafts come from a separate model (an EAGLE head counts as one).
 DRAFT_MODEL_METHODS: frozenset[str] = frozenset({"draft_model", "eagle", "eagle3"})
 
@@ -113,13 +118,16 @@ class EngineBlock(BaseModel):
     """The `engine:` block of `usecases/<pack>/models/<name>.yaml`.
 
     `engine: vllm` is stored as `vllm-server`; `mode` defaults to `inproc` for `vllm-inproc` and
-    to `server` otherwise. Unset tuning fields (None) leave the engine's own default in place.
+    to `server` otherwise. `task` says what the endpoint serves: `generate` (chat and completions)
+    or `embed` (`/v1/embeddings`, vLLM's pooling runner). Unset tuning fields (None) leave the
+    engine's own default in place.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     engine: EngineName = "vllm-server"
     mode: EngineMode = "server"
+    task: Task = "generate"
     base_url: str | None = None
     hf_model_id: ArgToken | None = None
     served_model_name: ArgToken | None = None
@@ -198,7 +206,8 @@ class EngineBlock(BaseModel):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> EngineBlock:
-        issues = [*self._engine_issues(), *self._dtype_issues(), *self._extra_args_issues()]
+        issues = [*self._engine_issues(), *self._task_issues(), *self._dtype_issues(),
+                  *self._extra_args_issues()]
         if issues:
             raise EngineBlockError(issues)
         return self
@@ -224,6 +233,29 @@ class EngineBlock(BaseModel):
             ))
         return issues
 
+    def _task_issues(self) -> list[EngineBlockIssue]:
+        """What an embedding endpoint cannot have: it generates no tokens and reads only text."""
+        if self.task != "embed":
+            return []
+        issues: list[EngineBlockIssue] = []
+        if self.engine not in EMBED_ENGINES:
+            issues.append(EngineBlockIssue(
+                "task", self.task,
+                f"engine {self.engine!r} does not serve embeddings here",
+                ("generate", f"embed with engine {' or '.join(EMBED_ENGINES)}"),
+            ))
+        if self.speculative_decoding is not None and self.speculative_decoding.enabled:
+            issues.append(EngineBlockIssue(
+                "speculative_decoding.enabled", True,
+                "an embedding model generates no tokens to draft (task: embed)", ("false",),
+            ))
+        if self.multimodal.modality != "text":
+            issues.append(EngineBlockIssue(
+                "multimodal.modality", self.multimodal.modality,
+                "embedding endpoints embed text or token ids only (task: embed)", ("text",),
+            ))
+        return issues
+
     def _dtype_issues(self) -> list[EngineBlockIssue]:
         methods = QUANTIZATION_FOR_DTYPE.get(self.dtype)
         if methods is None or self.effective_quantization in methods:
@@ -245,3 +277,17 @@ class EngineBlock(BaseModel):
             )]
         owned = SGLANG_OWNED_FLAGS if self.engine == "sglang" else VLLM_OWNED_FLAGS
         return [i.under("extra_args") for i in extra_args_issues(self.extra_args, owned)]
+
+
+def task_of(engine_block_json: str) -> str:
+    """The task (`generate` or `embed`) of an engine block stored as JSON, as the registry holds it.
+
+    Cheap enough for the request path and never raises: an empty, malformed or task-less block
+    is a `generate` endpoint (the registry only stores validated blocks, so this is a fallback,
+    not a second validator).
+    """
+    try:
+        data = json.loads(engine_block_json) if engine_block_json else None
+    except (TypeError, ValueError):
+        return "generate"
+    return "embed" if isinstance(data, dict) and data.get("task") == "embed" else "generate"
