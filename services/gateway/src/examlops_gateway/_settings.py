@@ -24,6 +24,9 @@ class GatewaySettings(ServiceSettings):
     max_prompts: int = Field(default=1024, ge=1,
                              description="Most prompts in one /v1/completions request (vLLM's default "
                                          "VLLM_MAX_COMPLETION_PROMPTS); more is a 400.")
+    max_embedding_inputs: int = Field(default=2048, ge=1,
+                                      description="Most inputs in one /v1/embeddings request (OpenAI's limit); "
+                                                  "more is a 400.")
     request_timeout_s: float = Field(default=600.0, gt=0,
                                      description="Deadline of one generation through engine-proxy.")
     max_messages: int = Field(default=2048, ge=1,

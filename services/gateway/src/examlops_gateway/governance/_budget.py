@@ -12,6 +12,8 @@ leaves it to the engine, lowered to what the remaining budget pays for; the gate
 number into the body whenever it differs from, or is missing in, what the engine would read, so
 the engine cannot produce more than was reserved.
 After the answer, settle.lua replaces the reservation by the real cost, from the engine's usage.
+An embedding has no output (`choices` 0): it reserves and is charged its prompt at the input price
+only, and its body is never rewritten.
 
 The prompt bound needs no tokenizer: the request body's length in bytes, minus the bytes of media
 parts (the types vLLM 0.32 parses as media, examlops.mediaparts.MEDIA_PART_TYPES; every part it renders
@@ -50,7 +52,7 @@ class Generation(Protocol):
     @property
     def stream(self) -> bool: ...
     @property
-    def choices(self) -> int: ...
+    def choices(self) -> int: ...   # 0: the call generates nothing (an embedding)
     @property
     def output_limit(self) -> int: ...
     @property

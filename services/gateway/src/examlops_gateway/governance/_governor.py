@@ -210,7 +210,7 @@ class Governor:
             raise GovernanceUnavailable(exc) from None
         adm = Admission.from_reply(reply, caller.key_id, model)
         body = raw
-        if adm.bounded and (not req.output_limit_sent or adm.max_tokens < asked):
+        if adm.bounded and n and (not req.output_limit_sent or adm.max_tokens < asked):  # n 0: no output
             body = with_max_tokens(raw, adm.max_tokens)
         return Ticket(gov=self, caller=caller, res_id=args.res_id, model=model, body=body, stream=req.stream,
                       price=price, prompt_bound=prompt, max_tokens=adm.max_tokens if adm.bounded else asked, n=n,

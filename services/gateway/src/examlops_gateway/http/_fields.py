@@ -10,7 +10,13 @@ caching or transport (`priority`, `request_id`, `session_id`, `kv_transfer_param
 `max_completion_tokens` on completions, `guided_choice`, `guided_decoding_backend`,
 `guided_whitespace_pattern`, OpenAI-only fields) and render-endpoint fields. Declared fields of the
 request models (model, messages, prompt, stream, stream_options, max_tokens, max_completion_tokens
-on chat, n, temperature, top_p) are validated there and always forwarded.
+on chat, n, temperature, top_p; input, encoding_format, dimensions and user on embeddings) are
+validated there and always forwarded.
+
+Embeddings (vLLM 0.32 pooling/{base,embed}/protocol.py) forward what shapes the tokenized input
+within its byte bound or the encoding of the vectors. Left out besides the scheduling fields above:
+`padding` (`max_length` pads every input to the model's length, past the bound), chat-message
+inputs and their template fields (`messages`, `chat_template`, ...), and `bytes` encodings.
 """
 
 from __future__ import annotations
@@ -38,3 +44,8 @@ CHAT_FIELDS: Final = _SAMPLING | frozenset({
 })
 
 COMPLETION_FIELDS: Final = _SAMPLING | frozenset({"suffix"})
+
+EMBEDDING_FIELDS: Final = frozenset({
+    "truncate_prompt_tokens", "truncation_side", "add_special_tokens", "use_activation", "embed_dtype",
+    "endianness", "cache_salt",
+})

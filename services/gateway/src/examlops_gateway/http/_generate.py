@@ -6,6 +6,7 @@ a stream cut short (the client left, the engine failed) is billed what it delive
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from prometheus_client import Counter, Histogram
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from examlops.engine import task_of
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.svc import RouteTable, unroutable_reason
 
@@ -39,17 +41,32 @@ WARNING_HEADER = "x-examlops-warning"
 CLIENT_GONE = "499"
 
 
-async def route(routes: RouteTable, ticket: Ticket) -> None:
-    """404 unless the model names a routable endpoint; a refused call gives its reservation back."""
+#: an endpoint's task (generate, embed) by its engine block JSON: parsed once per block, not per call
+task_of_block = functools.lru_cache(maxsize=1024)(task_of)
+
+_WRONG_TASK = {
+    "embed": "The model '{model}' is a generation route (task generate): /v1/embeddings needs an embedding "
+             "route, one whose engine block has task: embed",
+    "generate": "The model '{model}' is an embedding route (task embed): call /v1/embeddings; chat and "
+                "completions need a route whose engine block has task: generate",
+}
+
+
+async def route(routes: RouteTable, ticket: Ticket, task: str = "generate") -> None:
+    """404 unless the model names a routable endpoint, 400 when it serves another task than the
+    API's (an embedding route on chat, a generation route on embeddings); a refused call gives its
+    reservation back."""
     model = ticket.model
     ep = routes.get(model)
     if ep is None:
-        why = f"The model '{model}' does not exist or is not registered"
+        err = OpenAIError(404, f"The model '{model}' does not exist or is not registered", code="model_not_found",
+                          param="model")
     elif (reason := unroutable_reason(ep)) is not None:
-        why = f"The model '{model}' is not routed: {reason}"
+        err = OpenAIError(404, f"The model '{model}' is not routed: {reason}", code="model_not_found", param="model")
+    elif task_of_block(ep.engine_block_json) != task:
+        err = OpenAIError(400, _WRONG_TASK[task].format(model=model), code="model_task_mismatch", param="model")
     else:
         return
-    err = OpenAIError(404, why, code="model_not_found", param="model")
     if not ticket.caller.admin:  # the admin key reserved nothing
         await ticket.settle(str(err.status))
     raise err

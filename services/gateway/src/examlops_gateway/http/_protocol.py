@@ -40,20 +40,28 @@ class ChatMessage(BaseModel):
     content: str | list[Any] | None = None
 
 
-class GenerationRequest(BaseModel):
-    """What every generation request has (chat and completions)."""
+class OpenAIRequest(BaseModel):
+    """What every request to a model has: its name, and the undeclared fields it may forward."""
 
     # strict: "stream": "yes" is an error, not True (OpenAI refuses it too)
     model_config = ConfigDict(extra="allow", strict=True)
     model: str = Field(min_length=1)
+    #: undeclared fields forwarded to the engine for a virtual key (_fields.py)
+    forwarded: ClassVar[frozenset[str]] = frozenset()
+
+    def check_shape(self, max_inputs: int) -> None:
+        """Raise a 400 for a shape the gateway cannot bound (see check_request)."""
+
+
+class GenerationRequest(OpenAIRequest):
+    """What every generation request has (chat and completions)."""
+
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     n: int | None = Field(default=None, ge=1, le=16)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    #: undeclared fields forwarded to the engine for a virtual key (_fields.py)
-    forwarded: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def output_limit(self) -> int:
@@ -69,9 +77,6 @@ class GenerationRequest(BaseModel):
     def choices(self) -> int:
         """How many sequences the engine generates, each up to `output_limit` tokens."""
         return self.n or 1
-
-    def check_shape(self, max_prompts: int) -> None:
-        """Raise a 400 for a shape the gateway cannot bound (see check_request)."""
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -89,7 +94,7 @@ class ChatCompletionRequest(GenerationRequest):
     def output_limit_sent(self) -> bool:
         return self.max_completion_tokens is not None or self.max_tokens is not None
 
-    def check_shape(self, max_prompts: int) -> None:
+    def check_shape(self, max_inputs: int) -> None:
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
@@ -111,25 +116,30 @@ class CompletionRequest(GenerationRequest):
 
     @property
     def prompt_count(self) -> int:
-        """A string or one list of token ids is one prompt; a list of either is one prompt each."""
-        p = self.prompt
-        return 1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)
+        return input_count(self.prompt)
 
     @property
     def choices(self) -> int:
         return self.prompt_count * (self.n or 1)  # vLLM runs n sequences for every prompt
 
-    def check_shape(self, max_prompts: int) -> None:
+    def check_shape(self, max_inputs: int) -> None:
         count = self.prompt_count
-        if not 1 <= count <= max_prompts:
-            raise OpenAIError(400, f"prompt: a list of 1 to {max_prompts} prompts is accepted, not {count} "
+        if not 1 <= count <= max_inputs:
+            raise OpenAIError(400, f"prompt: a list of 1 to {max_inputs} prompts is accepted, not {count} "
                                    "(EXAMLOPS_MAX_PROMPTS)", code="invalid_value", param="prompt")
 
 
-def check_request(req: GenerationRequest, admin: bool, max_prompts: int) -> None:
+def input_count(value: str | list[str] | list[int] | list[list[int]]) -> int:
+    """How many inputs a completion's `prompt` or an embedding's `input` holds: a string or one list
+    of token ids is one; a list of either is one each."""
+    return 1 if isinstance(value, str) or (value and isinstance(value[0], int)) else len(value)
+
+
+def check_request(req: OpenAIRequest, admin: bool, max_inputs: int) -> None:
     """The parse stage's refusals, for every key and before any reservation: a shape the gateway
-    cannot bound (more prompts than `max_prompts`, a content part of a type the engine does not know);
-    for a virtual key, a field the gateway does not forward (the admin key's requests pass whole)."""
+    cannot bound (more prompts or inputs than `max_inputs`, a content part of a type the engine does
+    not know); for a virtual key, a field the gateway does not forward (the admin key's requests pass
+    whole)."""
     extra = req.model_extra
     if extra and not admin:
         for name in extra:
@@ -137,4 +147,4 @@ def check_request(req: GenerationRequest, admin: bool, max_prompts: int) -> None
                 raise OpenAIError(400, f"{name[:60]}: this field is not forwarded to the engine for virtual keys "
                                        "(services/gateway/GOVERNANCE.md lists the fields that are)",
                                   code="unsupported_field", param=name[:60])
-    req.check_shape(max_prompts)
+    req.check_shape(max_inputs)

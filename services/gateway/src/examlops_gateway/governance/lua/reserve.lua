@@ -8,7 +8,8 @@
 -- ARGV (built by _scripts.ReserveArgs)
 --       1 sha256 of the presented key      2 model             3 reservation id   4 replica id
 --       5 prompt tokens, an upper bound    6 prompt tokens x input micro-USD per Mtok
---       7 n x output micro-USD per Mtok    8 n (choices)       9 max_tokens asked (0: none)
+--       7 n x output micro-USD per Mtok    8 n (choices; 0: no output, an embedding)
+--       9 max_tokens asked (0: none)
 --      10 max_tokens when none is asked and the key is bounded  11 priced (1/0)  12 lease in ms
 -- Returns {"ok", max_tokens, reserved micro-USD, tenant, project, bounded (1/0), guardrails (",a,b,")}
 --      or {"deny", code, detail}         (decoded by _scripts.Admission.from_reply)
@@ -35,11 +36,11 @@ local m = num(ARGV[9])
 local bounded = budget >= 0 or tpm > 0
 if bounded and m == 0 then m = num(ARGV[10]) end
 
--- Tokens per minute: one request may not need more than the whole bucket.
+-- Tokens per minute: one request may not need more than the whole bucket: its prompt and at least one
+-- output token per choice (an embedding has n = 0: it makes no output, so only its prompt counts).
 if tpm > 0 then
-  local room = math.floor((tpm - prompt) / n)
-  if room < 1 then return {'deny', 'tpm_too_small', int(tpm)} end
-  if m > room then m = room end
+  if prompt + n > tpm then return {'deny', 'tpm_too_small', int(tpm)} end
+  if n > 0 and m > math.floor((tpm - prompt) / n) then m = math.floor((tpm - prompt) / n) end
 end
 
 -- Budget: cap max_tokens to what is left, then reserve the request's maximum cost.
