@@ -19,6 +19,7 @@ from . import (
     models_quantize,
     models_versions,
     pipeline,
+    rag,
     serve_llm,
     serve_llm_engine,
 )
@@ -40,6 +41,7 @@ app.add_typer(audit.app, name="audit")
 app.add_typer(dev.app, name="dev")
 app.add_typer(models.app, name="models")
 app.add_typer(pipeline.app, name="pipeline")
+app.add_typer(rag.app, name="rag")
 
 # These attach their commands to `exa serve llm` and `exa models`.
 del serve_llm_engine, models_versions, models_eval, models_quantize
