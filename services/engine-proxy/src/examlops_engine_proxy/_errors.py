@@ -33,6 +33,14 @@ class EngineRejected(EngineError):
     reason = "engine_rejected"
 
 
+class TaskMismatch(EngineError):
+    """A call of the wrong kind for the route: embeddings to a generate route, or chat/completions
+    to an embed route (the route's engine block `task` decides)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "model_task_mismatch"
+
+
 class RouteNotFound(EngineError):
     code = grpc.StatusCode.NOT_FOUND
     reason = "model_not_found"

@@ -10,6 +10,7 @@ import grpc
 import orjson
 from prometheus_client import Counter
 
+from examlops.engine import task_of
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
@@ -17,7 +18,7 @@ from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import RouteTable, abort, state_name, unroutable_reason
 
 from ._engines import Generation
-from ._errors import EngineError, RouteNotFound
+from ._errors import EngineError, RouteNotFound, TaskMismatch
 from ._media import guard_messages, has_media
 from ._pool import EnginePool
 from ._settings import EngineProxySettings
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 
 MEDIA_DROPPED = Counter("examlops_engine_media_parts_dropped_total",
                         "Media parts removed from requests to text-only endpoints.", ["endpoint"])
+#: What each route task answers, and how a call of another kind is named in the refusal.
+_EMBED_KINDS = (pb.REQUEST_KIND_EMBEDDINGS,)
+_KIND_CALLS: dict[int, str] = {pb.REQUEST_KIND_CHAT: "a chat completions call",
+                               pb.REQUEST_KIND_COMPLETION: "a completions call",
+                               pb.REQUEST_KIND_EMBEDDINGS: "an embeddings call"}
 GENERATIONS = Counter("examlops_engine_generations_total", "Generate calls by endpoint and outcome.",
                       ["endpoint", "outcome"])
 
@@ -48,11 +54,24 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
             raise RouteNotFound(f"{reason}; it is not routed", "model")
         return ep
 
+    @staticmethod
+    def check_task(ep: reg.Endpoint, kind: int) -> None:
+        """Refuse a call the route's task does not answer (the gateway checks first; this holds
+        for every other caller)."""
+        task = task_of(ep.engine_block_json)
+        if (kind in _EMBED_KINDS) != (task == "embed"):
+            call = _KIND_CALLS.get(kind, f"a call of kind {kind}")
+            use = "/v1/embeddings" if task == "embed" else "/v1/chat/completions or /v1/completions"
+            route = "an embedding" if task == "embed" else "a generation"
+            raise TaskMismatch(f"model {ep.name!r} is {route} route (task: {task}): it does not answer "
+                               f"{call}; use {use}", "model")
+
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         outcome = "error"
         try:
             ep = self.resolve(request.endpoint)
+            self.check_task(ep, request.kind)
             try:
                 body: dict[str, Any] = orjson.loads(request.body_json)
             except orjson.JSONDecodeError:
@@ -69,7 +88,7 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
                     notes.append(f"endpoint {ep.name!r} is text-only: dropped {dropped} media part(s)")
                     log.warning("%s", notes[-1])
             body["model"] = ep.served_model_name or ep.name
-            stream = bool(body.get("stream"))
+            stream = bool(body.get("stream")) and request.kind != pb.REQUEST_KIND_EMBEDDINGS
             opts = body.get("stream_options") if stream else None
             opts = opts if isinstance(opts, dict) else {}
             usage_chunk = bool(opts.get("include_usage"))

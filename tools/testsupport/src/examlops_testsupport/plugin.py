@@ -1,14 +1,17 @@
-"""The session fixtures every test tier shares: Redis, the stack of services, Slurm, sshd."""
+"""The session fixtures every test tier shares: Redis, the stack of services, Slurm, sshd, MiniLM."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from examlops_devstack import Proc, free_port
 from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, start_redis
 from examlops_testsupport.slurm import SlurmCluster, SshServer, slurm_cluster, ssh_server
+from examlops_testsupport.vllm import start_minilm_vllm
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +44,29 @@ def sshd(tmp_path_factory: pytest.TempPathFactory, slurm: SlurmCluster) -> Itera
     """A real sshd on 127.0.0.1 standing in for the login node; its sessions see the Slurm above."""
     with ssh_server(tmp_path_factory.mktemp("sshd"), slurm.env) as server:
         yield server
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    """A real `vllm serve` the session shares: its port, process and served model name."""
+
+    port: int
+    proc: Proc
+    served_model_name: str
+
+    @property
+    def base_url(self) -> str:
+        """http://127.0.0.1:PORT (append /v1/embeddings; register it as an endpoint's base_url)."""
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="session")
+def minilm_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """all-MiniLM-L6-v2 on a real CPU `vllm serve --runner pooling`, served as `minilm` (384
+    dimensions), started once per session (~45 s, ~700 MB). Mark its users `pytest.mark.vllm`."""
+    port = free_port()
+    proc = start_minilm_vllm(tmp_path_factory.mktemp("minilm-vllm"), port)
+    try:
+        yield VllmServer(port=port, proc=proc, served_model_name="minilm")
+    finally:
+        proc.stop()

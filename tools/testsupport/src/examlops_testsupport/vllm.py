@@ -8,12 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from examlops.engine import find_model, render_vllm_command, require_vllm_python
+from examlops.engine import cached_venv_dir, find_model, render_vllm_command, require_vllm_python
 from examlops_devstack import Proc, http_ok, spawn
 from examlops_testsupport import REPO_ROOT
 
 ROOT = REPO_ROOT
 USECASES = ROOT / "usecases"
+#: The folder scripts/vllm-env.sh unpacks all-MiniLM-L6-v2 into (under the cache), and its override.
+MINILM_MODEL_DIR_ENV = "EXAMLOPS_MINILM_MODEL_DIR"
+MINILM_CACHE_NAME = "models/all-minilm-l6-v2-0.1.2"
 
 
 def smol_model_dir() -> Path:
@@ -29,9 +32,30 @@ def smol_block() -> Any:
     return find_model("smol", USECASES).engine
 
 
-def start_vllm(workdir: Path, port: int, block: Any, log_name: str = "vllm.log") -> Proc:
+def minilm_model_dir() -> Path:
+    """The unpacked all-MiniLM-L6-v2 folder: $EXAMLOPS_MINILM_MODEL_DIR, else where vllm-env.sh puts it."""
+    path = cached_venv_dir(MINILM_MODEL_DIR_ENV, MINILM_CACHE_NAME)
+    if not (path / ".complete").is_file():
+        raise RuntimeError(f"no unpacked all-MiniLM-L6-v2 folder at {path}: run `make test` or scripts/vllm-env.sh")
+    return path
+
+
+def minilm_block() -> Any:
+    """The sample pack's `minilm` engine block (task: embed, served as `minilm`)."""
+    return find_model("minilm", USECASES).engine
+
+
+def start_minilm_vllm(workdir: Path, port: int, log_name: str = "vllm-minilm.log") -> Proc:
+    """A real `vllm serve --runner pooling` of all-MiniLM-L6-v2 on 127.0.0.1:`port` (served as minilm)."""
+    return start_vllm(workdir, port, minilm_block(), log_name, model_dir=minilm_model_dir())
+
+
+def start_vllm(workdir: Path, port: int, block: Any, log_name: str = "vllm.log",
+               model_dir: Path | None = None) -> Proc:
+    """`block` rendered and started on 127.0.0.1:`port`, loading `model_dir` (default: SmolLM2)."""
     python = require_vllm_python()
-    cmd = render_vllm_command(block, model=str(smol_model_dir()), host="127.0.0.1", port=port)
+    model = str(model_dir if model_dir is not None else smol_model_dir())
+    cmd = render_vllm_command(block, model=model, host="127.0.0.1", port=port)
     argv = [str(python.parent / "vllm"), *cmd.argv[1:]]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **cmd.env}
     proc = spawn("vllm", argv, env, workdir / log_name)

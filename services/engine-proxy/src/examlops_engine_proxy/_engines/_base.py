@@ -6,6 +6,15 @@ from typing import Any, Protocol
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
+from .._errors import EngineRejected
+
+#: The engine server's OpenAI path for each request kind.
+PATHS: dict[int, str] = {
+    pb.REQUEST_KIND_CHAT: "/v1/chat/completions",
+    pb.REQUEST_KIND_COMPLETION: "/v1/completions",
+    pb.REQUEST_KIND_EMBEDDINGS: "/v1/embeddings",
+}
+
 
 @dataclass(slots=True)
 class Generation:
@@ -21,7 +30,20 @@ class Generation:
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self.kind == pb.REQUEST_KIND_CHAT else "/v1/completions"
+        return PATHS.get(self.kind, "/v1/completions")
+
+    @property
+    def embeddings(self) -> bool:
+        """An embeddings call: answered whole, in one final chunk, with no completion tokens."""
+        return self.kind == pb.REQUEST_KIND_EMBEDDINGS
+
+
+def refuse_embeddings(gen: Generation, engine: str, endpoint: str) -> None:
+    """Raise EngineRejected for an embeddings call to an engine that cannot serve one."""
+    if gen.embeddings:
+        raise EngineRejected(f"endpoint:{endpoint}: engine {engine!r} does not serve embeddings "
+                             "(an embedding endpoint runs engine vllm-server or echo with task: embed)",
+                             "model")
 
 
 class Engine(Protocol):

@@ -1,4 +1,7 @@
-"""Echo engine: deterministic, dependency-free, streams and reports usage (dev and CI)."""
+"""Echo engine: deterministic, dependency-free, streams and reports usage (dev and CI).
+
+It also answers embeddings calls, with deterministic vectors (see _echo_embed).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import orjson
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 from ._base import Generation
+from ._echo_embed import echo_embeddings
 
 
 def _text_of(content: Any) -> str:
@@ -63,6 +67,11 @@ class EchoEngine:
         return (words[:limit] if truncated else words), prompt_words, truncated
 
     async def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+        if gen.kind == pb.REQUEST_KIND_EMBEDDINGS:
+            answer, tokens = echo_embeddings(gen.body, self.model)
+            yield pb.GenerateChunk(data=orjson.dumps(answer), final=True,
+                                   usage=pb.Usage(prompt_tokens=tokens, completion_tokens=0))
+            return
         words, prompt_tokens, truncated = self._answer(gen)
         rid = f"echo-{uuid.uuid4().hex}"
         created = int(time.time())

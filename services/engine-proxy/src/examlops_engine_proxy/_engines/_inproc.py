@@ -18,7 +18,7 @@ from examlops.engine import EngineBlock, InprocWorker, InprocWorkerError
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 from .._errors import AllBackendsFailed
-from ._base import Generation
+from ._base import Generation, refuse_embeddings
 
 
 class InprocEngine:
@@ -30,6 +30,7 @@ class InprocEngine:
         self.worker = InprocWorker(block)
 
     async def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+        refuse_embeddings(gen, self.name, self.endpoint)
         body = gen.body
         req: dict[str, Any] = {"id": "0", "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
                                "temperature": body.get("temperature", 0.0), "top_p": body.get("top_p", 1.0),

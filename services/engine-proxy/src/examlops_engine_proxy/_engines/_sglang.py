@@ -9,9 +9,12 @@ so one request works against either engine; SGLang-native fields pass through un
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
-from ._base import Generation
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
+
+from ._base import Generation, refuse_embeddings
 from ._vllm_server import VllmServerEngine
 
 #: vLLM spelling -> SGLang spelling
@@ -37,3 +40,8 @@ class SglangEngine(VllmServerEngine):
 
     def prepare(self, gen: Generation) -> dict[str, Any]:
         return to_sglang_body(super().prepare(gen))
+
+    async def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+        refuse_embeddings(gen, self.name, self.endpoint)
+        async for chunk in super().generate(gen):
+            yield chunk
