@@ -11,6 +11,7 @@ from . import (
     challenger,
     dev,
     gateway,
+    gateway_cache,
     gateway_guardrail,
     hpc,
     manifest,
@@ -36,6 +37,7 @@ serve.add_typer(challenger.app, name="challenger")
 app.add_typer(serve, name="serve")
 app.add_typer(hpc.app, name="hpc")
 gateway.app.add_typer(gateway_guardrail.app, name="guardrail")
+gateway.app.add_typer(gateway_cache.app, name="cache")
 app.add_typer(gateway.app, name="gateway")
 app.add_typer(audit.app, name="audit")
 app.add_typer(dev.app, name="dev")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -25,11 +26,13 @@ from ._health import RedisPing
 from ._health import router as health_router
 from ._settings import GatewaySettings
 from ._state import GatewayState
+from .cache import CacheBook, CacheStage, SemanticIndex, embed
 from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices
 from .guardrails import GuardrailBook, GuardStage, engine_proxy_ask
 from .http import (
     admin_router,
     block_auditor,
+    cache_admin_router,
     guardrails_admin_router,
     install_error_handlers,
     install_openapi,
@@ -75,6 +78,11 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         governor = Governor(settings, client, prices, replica_id)
         guardrails = GuardrailBook(client, engine_proxy_ask(engine_proxy, governor), settings.guardrail_refresh_s)
         await guardrails.refresh()  # the policies in force before the first call
+        cache_book = CacheBook(client, settings.cache_refresh_s)
+        await cache_book.refresh()
+        index = SemanticIndex(client, max_entries=settings.cache_max_entries,
+                              sync_interval_s=settings.cache_index_sync_s)
+        await index.start()
         app.state.gateway = GatewayState(
             settings=settings, routes=routes, engine_proxy=engine_proxy,
             channel=channel, admin_key=settings.admin_key.get_secret_value().encode(),
@@ -82,19 +90,23 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             governor=governor, replica_id=replica_id,
             guard=GuardStage(guardrails, on_block=block_auditor(registry, governor.background)),
             redis_ping=RedisPing(settings.redis_url),
-            key_check=KeyCheck(client, settings.key_check_ttl_s, settings.key_check_cache_size))
+            key_check=KeyCheck(client, settings.key_check_ttl_s, settings.key_check_cache_size),
+            cache=CacheStage(cache_book, client, index, functools.partial(embed, engine_proxy),
+                             settings.cache_embed_timeout_s))
         tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes, token=token)),
                  asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
-                 asyncio.create_task(reaper.run()), asyncio.create_task(guardrails.follow())]
+                 asyncio.create_task(reaper.run()), asyncio.create_task(guardrails.follow()),
+                 asyncio.create_task(cache_book.follow())]
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
-            pending = list(app.state.gateway.governor.background)
+            pending = [*app.state.gateway.governor.background, *app.state.gateway.cache.background]
             if pending:
                 await asyncio.wait(pending, timeout=5)
             await reaper.leave()
+            await index.aclose()
             await channel.close()
             await registry_channel.close()
             for closing in (app.state.gateway.redis_ping, client):
@@ -107,6 +119,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(admin_router)
     app.include_router(guardrails_admin_router)
+    app.include_router(cache_admin_router)
     app.include_router(health_router)  # /livez, /readyz, /healthz (= /readyz)
     install_openapi(app)
 

@@ -50,6 +50,18 @@ class GatewaySettings(ServiceSettings):
     guardrail_refresh_s: float = Field(default=0.5, gt=0,
                                        description="How often this replica checks Redis for changed guardrail "
                                                    "policies (one GET of a version counter).")
+    cache_refresh_s: float = Field(default=0.5, gt=0,
+                                   description="How often this replica checks Redis for changed cache policies "
+                                               "(one GET of a version counter) and adds its lookup tallies.")
+    cache_max_entries: int = Field(default=100_000, ge=1,
+                                   description="Most entries of the semantic cache's index (each replica holds "
+                                               "it in memory; the least recently used go first).")
+    cache_index_sync_s: float = Field(default=0.25, gt=0,
+                                      description="How often this replica's semantic index takes in the entries "
+                                                  "other replicas added.")
+    cache_embed_timeout_s: float = Field(default=5.0, gt=0,
+                                         description="Deadline of the embedding call of a semantic cache lookup "
+                                                     "(past it the call goes uncached).")
     price_refresh_s: float = Field(default=60.0, gt=0,
                                    description="How often the price watch is re-opened with a full snapshot (a "
                                                "resync; changes reach the gateway at once on the watch).")

@@ -13,6 +13,7 @@ from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable
 
 from ._settings import GatewaySettings
+from .cache import CacheStage
 from .governance import Governor, KeyCheck, PriceBook
 from .guardrails import GuardStage
 
@@ -36,3 +37,4 @@ class GatewayState:
     redis_ping: RedisPing        # readiness: does Redis answer (its own connection)
     key_check: KeyCheck          # a virtual key is valid before its body is read
     guard: GuardStage            # the guardrail policies in force (refreshed from Redis)
+    cache: CacheStage            # the response cache's policies (refreshed from Redis) and semantic index

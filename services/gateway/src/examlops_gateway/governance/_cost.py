@@ -3,7 +3,9 @@ Prometheus counters, and the spend summary.
 
 A record (one per call, in `{vk:<id>}:cost`) carries model, key, tenant, project, prompt_tokens,
 completion_tokens, cost_micro_usd, latency_ms, ttft_ms, status (HTTP status; 499 when the client
-went away; `reaped`), stream, estimated (usage not reported by the engine), priced and late.
+went away; `reaped`), stream, estimated (usage not reported by the engine), priced, late, guarded
+(what the guardrails did) and cache (what the response cache did: hit-exact and hit-semantic cost
+nothing; miss, bypass; empty when no cache policy applied).
 Because settle.lua adds to the key's `spent` and appends the record in one script, the key's spend
 is always the sum of its records' costs (within EXAMLOPS_COST_RETENTION_DAYS).
 """

@@ -76,6 +76,8 @@ class Ticket:
     settled: bool = False
     guardrails: tuple[str, ...] = ()   # the key's guardrail policies (guardrails/ adds the endpoint's)
     guarded: str = ""                  # what the guardrails did (their header's value), for the cost record
+    tenant: str = ""                   # the key's tenant ('' for the admin key): the cache's scopes
+    cache: str = ""                    # what the response cache did (hit-exact, hit-semantic, miss, bypass)
 
     def first_chunk(self) -> None:
         self.ttft_s = time.perf_counter() - self.started
@@ -143,7 +145,7 @@ class Ticket:
             key_id=self.caller.key_id, model=self.model, status=status,
             latency_ms=round((time.perf_counter() - self.started) * 1000, 2), ttft_ms=round(self.ttft_s * 1000, 2),
             stream=self.stream, estimated=estimated, priced=self.price is not None, trim_ms=self.gov.trim_ms,
-            guarded=self.guarded)
+            guarded=self.guarded, cache=self.cache)
         if not await self._record(args, retrying=False):
             # Retried while this process lives (settle.lua answers "duplicate" to a repeat); if it dies
             # first, the reaper charges the last progress note.
@@ -214,7 +216,7 @@ class Governor:
             body = with_max_tokens(raw, adm.max_tokens)
         return Ticket(gov=self, caller=caller, res_id=args.res_id, model=model, body=body, stream=req.stream,
                       price=price, prompt_bound=prompt, max_tokens=adm.max_tokens if adm.bounded else asked, n=n,
-                      reserved_micro=adm.reserved_micro, project=adm.project, started=started,
+                      reserved_micro=adm.reserved_micro, project=adm.project, tenant=adm.tenant, started=started,
                       guardrails=adm.guardrails)
 
     async def allowed_models(self, caller: Caller) -> set[str] | None:

@@ -85,11 +85,12 @@ class SettleArgs:
     priced: bool
     trim_ms: int                # trim cost records older than this (0: keep all)
     guarded: str = ""           # what the guardrails did ('' : nothing fired)
+    cache: str = ""             # what the response cache did ('': no cache policy applied)
 
     def argv(self) -> list[str | int | float]:
         return [self.res_id, self.cost_micro, self.prompt_tokens, self.completion_tokens, self.key_id, self.model,
                 self.status, self.latency_ms, self.ttft_ms, int(self.stream), int(self.estimated), int(self.priced),
-                self.trim_ms, self.guarded]
+                self.trim_ms, self.guarded, self.cache]
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 models and the one error shape (with governance's refusals mapped onto it)."""
 
 from ._admin import router as admin_router
+from ._admin_cache import router as cache_admin_router
 from ._admin_guardrails import router as guardrails_admin_router
 from ._audit import block_auditor
 from ._denials import install_error_handlers
@@ -13,7 +14,6 @@ from ._protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = [
     "CallerDep", "ChatCompletionRequest", "CompletionRequest", "ErrorResponse", "OpenAIError", "StateDep",
-    "admin_router", "block_auditor", "guardrails_admin_router", "install_error_handlers", "install_openapi",
-    "openai_router",
-    "require_admin",
+    "admin_router", "block_auditor", "cache_admin_router", "guardrails_admin_router", "install_error_handlers",
+    "install_openapi", "openai_router", "require_admin",
 ]

@@ -28,7 +28,8 @@ from ._delivered import Delivered
 from ._denials import from_block
 from ._errors import OpenAIError, from_grpc
 
-if TYPE_CHECKING:  # structured output's hook on a stream
+if TYPE_CHECKING:  # structured output's and the cache's hooks on a stream
+    from ..cache import StreamTap
     from ._structured import CheckedStream
 
 REQUESTS = Counter("examlops_gateway_requests_total", "Gateway generation requests.",
@@ -73,10 +74,11 @@ async def route(routes: RouteTable, ticket: Ticket, task: str = "generate") -> N
 
 
 async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: CheckedStream | None = None,
-                   guard: Guard | None = None) -> Response:
+                   guard: Guard | None = None, tap: StreamTap | None = None) -> Response:
     """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves).
     `checked`: a stream's structured-output check (_structured.py); `guard`: the call's output
-    guardrail (guardrails/), which rewrites or blocks the engine's chunks as they are read."""
+    guardrail (guardrails/), which rewrites or blocks the engine's chunks as they are read; `tap`:
+    the response cache's copy of a stream's chunks, told when the stream ended whole (cache/)."""
     model = ticket.model
     request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body)  # type: ignore[arg-type]
     call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
@@ -112,7 +114,7 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
     REQUESTS.labels(model, "200").inc()
     if not ticket.stream:
         return _SettledAnswer(first, ticket, headers)
-    sse = _sse(call, first, ticket, state.settings.heartbeat_s, checked)  # notes progress once per heartbeat
+    sse = _sse(call, first, ticket, state.settings.heartbeat_s, checked, tap)  # notes progress once per heartbeat
     return _SettledStream(sse, call, first, ticket, headers)
 
 
@@ -169,7 +171,7 @@ def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
 
 
 async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s: float,
-               checked: CheckedStream | None) -> AsyncIterator[bytes]:
+               checked: CheckedStream | None, tap: StreamTap | None = None) -> AsyncIterator[bytes]:
     """Forward chunks as they come; settle before [DONE], or in the background if the client left.
     A long stream notes what it delivered in its reservation now and then (for the reaper)."""
     chunk = first
@@ -180,6 +182,8 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
         try:
             while True:
                 sent.add(chunk)  # counted before it is sent: the client may leave while it is
+                if tap is not None and chunk.data:
+                    tap.add(chunk.data)
                 if chunk.data and (checked is None or not checked.holds(chunk.data)):
                     yield b"data: " + chunk.data + b"\n\n"
                 if chunk.final:
@@ -202,6 +206,8 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
             released, status, error = checked.end(status)
             if released:
                 yield released
+        if tap is not None and status == "200" and not error:
+            tap.end(sent.usage)  # the cache keeps the whole answer, in the background
         settling = ticket.settle_later(status, sent.usage, sent.beyond)
         if settling is not None:
             await asyncio.shield(settling)

@@ -3,8 +3,9 @@
 Each stage lives in its wing: auth (_deps.caller, resolved by FastAPI before the handler runs,
 then governance.KeyCheck: a virtual key must exist and be valid before its body is read), parse
 (_body), admit (governance: key, allow-list, rate limits, budget reservation, one Redis round trip),
-guard (guardrails.GuardStage: the input scan; its Guard watches the answer too), route and
-generate (_generate), settle (governance.Ticket, called by the response when the answer
+guard (guardrails.GuardStage: the input scan; its Guard watches the answer too), route, cache
+(_cache: under an endpoint's cache policy, a hit answers without the engine, a miss's whole answer
+is kept), generate (_generate), settle (governance.Ticket, called by the response when the answer
 ends, however it ends: one Redis round trip). Structured output (_structured) checks a
 response_format's schema at parse and the answers after generate, retrying an invalid whole answer
 through a new admission.
@@ -20,6 +21,7 @@ from starlette.responses import Response
 from .._state import GatewayState
 from ..governance import Caller
 from ._body import parse_body
+from ._cache import answer_from_cache, look_up, with_cache
 from ._generate import route
 from ._protocol import GenerationRequest, check_request
 from ._structured import generate_checked, structured_output
@@ -37,6 +39,10 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
     shape = structured_output(req, kind, s.structured_retries)                   # parse: response_format's schema
     ticket = await state.governor.admit(caller, req, raw, started)               # admit
     guard = await state.guard.check_input(ticket)                                # guard: before any engine call
-    # cache: a response-cache lookup (cache/) may answer here, settling `ticket` itself
     await route(state.routes, ticket)                                            # route
-    return await generate_checked(state, kind, ticket, req, shape, guard)        # generate → check → settle
+    cache = await look_up(request, state, ticket, req, raw)                      # cache: a hit answers here
+    if cache is not None and cache.answer is not None:
+        return await answer_from_cache(state, cache, ticket, req, guard, shape)  # ... settled at no cost
+    response = await generate_checked(state, kind, ticket, req, shape, guard,    # generate → check → settle
+                                      cache.tap() if cache else None)
+    return with_cache(response, cache)                                           # cache: keep a whole answer

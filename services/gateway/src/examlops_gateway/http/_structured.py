@@ -14,6 +14,7 @@ from starlette.responses import Response
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
 from .._state import GatewayState
+from ..cache import StreamTap
 from ..governance import Denied, Ticket
 from ..guardrails import Guard
 from ..structured import VERDICT_HEADER, SchemaRefused, StreamCheck, StructuredOutput
@@ -67,14 +68,15 @@ class CheckedStream:
 
 
 async def generate_checked(state: GatewayState, kind: int, ticket: Ticket, req: GenerationRequest,
-                           shape: StructuredOutput | None, guard: Guard | None = None) -> Response:
+                           shape: StructuredOutput | None, guard: Guard | None = None,
+                           tap: StreamTap | None = None) -> Response:
     """generate, and with a contract, its check. An invalid whole answer settles its own attempt
     (STATUS_INVALID) and is tried again on the same route, with the body the engine got, through a
     new admission (budgets and rate limits hold for every attempt), up to `shape.retries` times."""
     if shape is None:
-        return await generate(state, kind, ticket, guard=guard)
+        return await generate(state, kind, ticket, guard=guard, tap=tap)
     if ticket.stream:
-        stream = await generate(state, kind, ticket, CheckedStream(shape.stream_check()), guard=guard)
+        stream = await generate(state, kind, ticket, CheckedStream(shape.stream_check()), guard=guard, tap=tap)
         stream.headers[VERDICT_HEADER] = "deferred"  # the verdict is the stream's last event
         return stream
     attempt, why_no_retry = 0, ""

@@ -54,7 +54,8 @@ end
 -- Append one cost record (settle.lua, reap.lua) to `stream`, trimming records older than
 -- `trim_ms` (0: keep all). `rec` names every field of COST_FIELDS.
 local COST_FIELDS = {'model', 'key', 'tenant', 'project', 'prompt_tokens', 'completion_tokens', 'cost_micro_usd',
-                     'latency_ms', 'ttft_ms', 'status', 'stream', 'estimated', 'priced', 'late', 'guarded'}
+                     'latency_ms', 'ttft_ms', 'status', 'stream', 'estimated', 'priced', 'late', 'guarded',
+                     'cache'}
 local function append_cost(stream, trim_ms, now, rec)
   local args = {'XADD', stream}
   if num(trim_ms) > 0 then

@@ -7,6 +7,7 @@
 --       3 prompt tokens   4 completion tokens   5 key id   6 model   7 status   8 latency ms
 --       9 time to first chunk ms   10 stream (1/0)   11 usage estimated (1/0)   12 priced (1/0)
 --      13 trim records older than this many ms (0: keep all)   14 what the guardrails did ('': nothing)
+--      15 what the response cache did (hit-exact, hit-semantic, miss, bypass; '': no cache policy)
 -- Returns {"ok", tenant, project} or {"duplicate"} when this reservation was settled already (a
 -- retried settle whose first reply was lost), so the gateway may retry until Redis answers.
 --
@@ -48,5 +49,5 @@ append_cost(KEYS[3], ARGV[13], now, {
   model = ARGV[6], key = ARGV[5], tenant = tp[1] or '', project = tp[2] or '', prompt_tokens = int(prompt),
   completion_tokens = int(completion), cost_micro_usd = int(cost), latency_ms = ARGV[8], ttft_ms = ARGV[9],
   status = ARGV[7], stream = ARGV[10], estimated = ARGV[11], priced = ARGV[12], late = late,
-  guarded = ARGV[14] or ''})
+  guarded = ARGV[14] or '', cache = ARGV[15] or ''})
 return {'ok', tp[1] or '', tp[2] or ''}
