@@ -169,17 +169,22 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> 
         listed = subprocess.run([str(Path(sys.executable).parent / "exa"), "--json", "serve", "llm", "list"],
                                 cwd=run.parent, capture_output=True, text=True, timeout=60,
                                 env={k: v for k, v in os.environ.items() if not k.startswith("EXAMLOPS_")})
-        assert listed.returncode == 0 and "echo" in listed.stdout, listed.stderr
+        assert listed.returncode == 0, listed.stderr
+        # The chat model, `default` (exa rag query's route) and an echo stand-in for the embedding model.
+        assert {e["name"] for e in json.loads(listed.stdout)} >= {"echo", "default", "minilm"}, listed.stdout
+        assert "minilm embedded through the gateway" in first.stderr and "384 dimensions" in first.stderr
+        assert '"model": "minilm", "input"' in first.stdout  # the banner's embeddings example
         status = json.loads(_devstack(run, offset, "status", "--json").stdout)
         up = {r["part"]: r for r in status}
-        assert all(up[p]["healthy"] for p in up if p != "vllm") and not up["vllm"]["healthy"]
-        pids = {p: r["pid"] for p, r in up.items() if p != "vllm"}
+        servers = ("vllm", "minilm")  # engine echo starts no vLLM
+        assert all(up[p]["healthy"] for p in up if p not in servers) and not any(up[p]["healthy"] for p in servers)
+        pids = {p: r["pid"] for p, r in up.items() if p not in servers}
 
         again = _devstack(run, offset, "up", "--engine", "echo")
         assert again.returncode == 0, again.stderr
         assert again.stderr.count("already running") == 6
         assert {r["part"]: r["pid"] for r in json.loads(_devstack(run, offset, "status", "--json").stdout)
-                if r["part"] != "vllm"} == pids
+                if r["part"] not in servers} == pids
     finally:
         down = _devstack(run, offset, "down")
     assert down.returncode == 0

@@ -1,11 +1,13 @@
 """`make up` with the real CPU vLLM, the README's first command, on shifted ports and a temporary run dir.
 
-One vLLM start: up answers through the gateway, the openai client chats with SmolLM2, then the API
-server is SIGKILLed as the OOM killer would and `down` must still stop its engine core.
+One start of both vLLM servers (SmolLM2 and MiniLM, in parallel): up answers through the gateway,
+the openai client chats with SmolLM2 (as `smol` and as `default`) and embeds with MiniLM, then the
+SmolLM2 API server is SIGKILLed as the OOM killer would and `down` must still stop its engine core.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,7 +25,7 @@ from examlops_devstack import StackPorts, group_members
 from examlops_devstack._up import PARTS, RunDir
 from examlops_testsupport import REPO_ROOT
 from examlops_testsupport.fixtures import ports_free
-from examlops_testsupport.vllm import smol_model_dir
+from examlops_testsupport.vllm import minilm_model_dir, smol_model_dir
 
 pytestmark = pytest.mark.vllm
 
@@ -54,23 +56,33 @@ def _cmdline(pid: int) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_make_up_serves_smollm2_and_down_stops_its_engine_core_after_an_api_server_kill(tmp_path: Path) -> None:
+def test_make_up_serves_smollm2_and_minilm_and_down_stops_an_engine_core_after_an_api_server_kill(
+        tmp_path: Path) -> None:
     venv, model_dir = require_vllm_python().parent.parent, smol_model_dir()
     offset = next(o for o in range(4000, 4300, 11) if ports_free(StackPorts.with_offset(o)))
     ports, run = StackPorts.with_offset(offset), RunDir((tmp_path / "run").resolve())
     try:
         up = _devstack(run, offset, "up", "--engine", "vllm", "--vllm-venv", str(venv), "--model-dir", str(model_dir),
-                       timeout=800)
+                       "--minilm-dir", str(minilm_model_dir()), timeout=800)
         assert up.returncode == 0, up.stderr[-4000:]
         first = re.search(r"smol answered through the gateway in [\d.]+ s: (.+)", up.stderr)
         assert first is not None and not first.group(1).startswith(("'echo", '"echo')), up.stderr[-2000:]
-        assert f"OpenAI(base_url=\"{ports.gateway_url}/v1\"" in up.stdout
+        assert re.search(r"minilm embedded through the gateway in [\d.]+ s: 384 dimensions", up.stderr)
+        healthy = [float(t) for t in re.findall(r"(?:vllm|minilm) healthy after (\d+) s", up.stderr)]
+        assert len(healthy) == 2, up.stderr[-2000:]  # waited for together, not one after the other
+        assert f"OpenAI(base_url=\"{ports.gateway_url}/v1\"" in up.stdout and '"model": "minilm"' in up.stdout
 
         client = openai.OpenAI(base_url=ports.gateway_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0)
-        reply = client.chat.completions.create(model="smol", max_tokens=16,
-                                               messages=[{"role": "user", "content": "Say hello."}])
-        assert (reply.choices[0].message.content or "").strip()
-        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        for route in ("smol", "default"):  # default: the same SmolLM2 server (exa rag query's route)
+            reply = client.chat.completions.create(model=route, max_tokens=16,
+                                                   messages=[{"role": "user", "content": "Say hello."}])
+            assert (reply.choices[0].message.content or "").strip()
+            assert reply.usage is not None and reply.usage.completion_tokens > 0
+        vectors = client.embeddings.create(model="minilm", input=["A cat sits on the mat.", "Stocks fell."])
+        assert [len(d.embedding) for d in vectors.data] == [384, 384] and vectors.usage.prompt_tokens > 0
+        assert json.loads(_devstack(run, offset, "status", "--json").stdout)[-1] == {
+            "part": "minilm", "pid": run.pid("minilm"), "healthy": True, "address": f"http://127.0.0.1:{ports.minilm}",
+            "log": str(run.logs / "minilm.log")}
 
         pgids = {p: run.recorded(p) for p in PARTS}
         api_server = pgids["vllm"]

@@ -15,14 +15,16 @@ def main() -> int:
                                      description="Run the ExaMLOps stack as local background processes.")
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="State, pid files and logs.")
     parser.add_argument("--port-offset", type=int, default=None,
-                        help="Shift every port (Redis 6379, gRPC 50051-50054, gateway 8080, vLLM 8000) by N "
-                             "(default: EXAMLOPS_DEV_PORT_OFFSET, else the offset of the stack running from --run-dir, "
-                             "else 0).")
+                        help="Shift every port (Redis 6379, gRPC 50051-50054, gateway 8080, vLLM 8000, MiniLM "
+                             "8001) by N (default: EXAMLOPS_DEV_PORT_OFFSET, else the offset of the stack running "
+                             "from --run-dir, else 0).")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="Start what is down, register the default model, check an answer.")
     p_up.add_argument("--engine", choices=["vllm", "echo"], default="vllm")
     p_up.add_argument("--vllm-venv", type=Path)
-    p_up.add_argument("--model-dir", type=Path)
+    p_up.add_argument("--model-dir", type=Path, help="The SmolLM2 folder (scripts/vllm-env.sh's SMOL_MODEL_DIR).")
+    p_up.add_argument("--minilm-dir", type=Path,
+                      help="The all-MiniLM-L6-v2 folder (scripts/vllm-env.sh's MINILM_MODEL_DIR).")
     sub.add_parser("down", help="Stop exactly what `up` started.")
     p_st = sub.add_parser("status", help="Each part: pid, health, address.")
     p_st.add_argument("--json", action="store_true")
@@ -35,7 +37,7 @@ def main() -> int:
     ports = StackPorts.with_offset(offset)
     if args.cmd == "up":
         run.record_port_offset(offset)  # `exa` and later `down`/`status` find this stack by it
-        up(run, ports, args.engine, args.vllm_venv, args.model_dir)
+        up(run, ports, args.engine, args.vllm_venv, args.model_dir, args.minilm_dir)
     elif args.cmd == "down":
         down(run)
     else:

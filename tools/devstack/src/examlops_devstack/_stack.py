@@ -32,13 +32,14 @@ SERVICES: dict[str, str] = {
 class StackPorts:
     redis: int = 6379
     services: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
-    vllm: int = 8000
+    vllm: int = 8000      # SmolLM2 (generation)
+    minilm: int = 8001    # all-MiniLM-L6-v2 (embeddings); the sample pack's minilm.yaml says the same
 
     @classmethod
     def with_offset(cls, offset: int) -> StackPorts:
         """The default ports shifted by `offset`, for a second stack beside the first."""
         return cls(redis=6379 + offset, services={k: v + offset for k, v in DEFAULT_PORTS.items()},
-                   vllm=8000 + offset)
+                   vllm=8000 + offset, minilm=8001 + offset)
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.services[name]}"
