@@ -50,19 +50,19 @@ def _target(model: str, key_id: str) -> str:
 def _endpoint(state: StateDep, model: str, param: str, task: str) -> None:
     """404 unless `model` names a registered endpoint, 400 when it serves another task."""
     if not MODEL_RE.match(model):
-        raise OpenAIError(400, f"invalid model name {model!r}", code="invalid_value", param=param)
+        raise OpenAIError(400, f"{param}: invalid model name {model!r}", code="invalid_value", param=param)
     ep = state.routes.get(model)
     if ep is None:
-        raise OpenAIError(404, f"no endpoint named {model!r} is registered (`exa serve llm list`)",
+        raise OpenAIError(404, f"{param}: no endpoint named {model!r} is registered (`exa serve llm list`)",
                           code="model_not_found", param=param)
-    if task_of_block(ep.engine_block_json) != task:
-        raise OpenAIError(400, f"{model!r} is not an {task} route (its engine block's task)",
-                          code="model_task_mismatch", param=param)
+    if (found := task_of_block(ep.engine_block_json)) != task:
+        raise OpenAIError(400, f"{param}: {model!r} is a route of task {found}, not {task} (its engine block's "
+                               "task)", code="model_task_mismatch", param=param)
 
 
 async def _key(state: StateDep, key_id: str) -> None:
     if key_id and await KeyStore(state.redis).get(key_id) is None:
-        raise OpenAIError(404, f"no key {key_id!r}", code="key_not_found", param="key")
+        raise OpenAIError(404, f"key: no key {key_id!r} (`exa gateway key list`)", code="key_not_found", param="key")
 
 
 async def _unset(request: Request, state: StateDep, model: str, key_id: str) -> Response:
