@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from examlops.engine import parse_engine_block, render_vllm_command
+from examlops.engine import find_model, parse_engine_block, render_vllm_command
 from examlops.svc import DEFAULT_ADMIN_KEY, DEFAULT_PORTS, parse_tokens
 from examlops_testsupport.deploy import DEPENDS_ON, GRPC_SERVICES, ROOT, SERVICES, tool
 
@@ -231,6 +231,16 @@ def test_vllm_servers_are_rendered_like_the_launchers_render_vllm(tmp_path: Path
     assert f"{flag} {domains}" in argv and "--host 0.0.0.0 --port 8000" in argv
     assert svc["environment"]["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == rendered.env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"]
     assert svc["environment"]["VLLM_API_KEY"] == rendered.env["VLLM_API_KEY"]  # from .env, never a default
+    assert [p["host_ip"] for p in svc["ports"]] == ["127.0.0.1"]
+
+
+def test_minilm_cpu_serves_the_sample_packs_embedding_block() -> None:
+    svc = compose_config("vllm-cpu")["services"]["minilm-cpu"]
+    rendered = render_vllm_command(find_model("minilm", ROOT / "usecases").engine, host="0.0.0.0", port=8001).argv
+    argv = " ".join(svc["command"]).replace("=", " ").split()
+    assert argv[0] == rendered[2] and "--runner pooling" in " ".join(argv)
+    pairs = list(zip(argv[1::2], argv[2::2], strict=True))
+    assert all(" ".join(pair) in " ".join(rendered) for pair in pairs), (argv, rendered)
     assert [p["host_ip"] for p in svc["ports"]] == ["127.0.0.1"]
 
 
