@@ -64,8 +64,14 @@ def _post(path: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
 
 
 def embed(texts: list[str], model: str, key: str | None) -> Vectors:
-    """Normalized float32 rows, one per text, from the gateway's embeddings route `model`."""
-    obj = _post("/v1/embeddings", {"model": model, "input": texts, "encoding_format": "float"}, key)
+    """Normalized float32 rows, one per text, from the gateway's embeddings route `model`.
+
+    A text longer than the model's window is embedded from its first tokens (vLLM's
+    `truncate_prompt_tokens: -1`): a chunk dense in symbols can pass MiniLM's 256 tokens in 600
+    characters, and its beginning still places it; the prompt gets the whole chunk.
+    """
+    obj = _post("/v1/embeddings", {"model": model, "input": texts, "encoding_format": "float",
+                                   "truncate_prompt_tokens": -1}, key)
     try:
         rows = sorted(obj["data"], key=lambda d: d["index"])
         vectors = np.asarray([row["embedding"] for row in rows], dtype=np.float32)
