@@ -56,6 +56,10 @@ def docs(tmp_path: Path) -> Path:
     (folder / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0")
     (folder / "blob.txt").write_bytes(b"text then \0 binary")
     (folder / ".hidden" / "secret.md").write_text("never indexed")
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "cached.txt").write_text("never indexed")
+    for name in ("a.py", "b.py"):
+        (folder / "sub" / name).write_text("print()")
     return folder
 
 
@@ -72,7 +76,8 @@ def test_index_stores_the_collection_and_reindex_replaces_it(stack: Stack, route
     assert out.returncode == 0, out.stderr
     assert "skipped logo.png: not a text or markdown file (.png)" in out.stderr
     assert "skipped blob.txt: binary content" in out.stderr
-    assert "secret" not in out.stderr + out.stdout
+    assert "skipped 2 files, not a text or markdown file (.py): sub/a.py, sub/b.py" in out.stderr
+    assert "secret" not in out.stderr + out.stdout and "cached" not in out.stderr + out.stdout
 
     link = rag / "team-docs"
     assert link.is_symlink()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TEXT_SUFFIXES = frozenset({".md", ".markdown", ".mdx", ".txt", ".text", ".rst"})
+#: Folders a walk never enters (besides hidden ones): caches and build output, not documents.
+SKIPPED_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "build", "dist"})
 _HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
@@ -45,8 +47,8 @@ class _Block:
 
 
 def collect_files(root: Path) -> tuple[list[SourceFile], list[tuple[str, str]]]:
-    """The text files at `root` (one file, or a folder walked recursively, hidden folders left out)
-    and the files passed over, each with the reason."""
+    """The text files at `root` (one file, or a folder walked recursively, leaving out hidden folders
+    and SKIPPED_DIRS) and the files passed over, each with the reason."""
     if root.is_file():
         candidates, base = [root], root.parent
     else:
@@ -77,7 +79,7 @@ def collect_files(root: Path) -> tuple[list[SourceFile], list[tuple[str, str]]]:
 def _walk(folder: Path) -> list[Path]:
     out: list[Path] = []
     for entry in folder.iterdir():
-        if entry.name.startswith("."):
+        if entry.name.startswith(".") or entry.name in SKIPPED_DIRS or entry.name.endswith(".egg-info"):
             continue
         if entry.is_dir():
             out.extend(_walk(entry))

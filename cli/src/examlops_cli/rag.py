@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import orjson
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ._output import Ctx, console, emit_json, err_console, fail, table
@@ -42,7 +43,7 @@ app = typer.Typer(help="Retrieval-augmented answers from your documents, through
 
 SYSTEM_PROMPT = ("Answer the user's question using only the numbered context passages they give. "
                  "If the passages do not contain the answer, say that you do not know. Answer briefly.")
-MAX_NOTES = 20
+NOTE_EXAMPLES = 3
 
 
 class GatewayCallError(RuntimeError):
@@ -103,9 +104,22 @@ def _progress() -> Progress:
                     disable=Ctx.json or not sys.stderr.isatty())
 
 
+def _note_skipped(skipped: list[tuple[str, str]]) -> None:
+    """One note per file, or per reason when several files share it (a code tree's .py files)."""
+    by_reason: dict[str, list[str]] = {}
+    for label, reason in skipped:
+        by_reason.setdefault(reason, []).append(label)
+    for reason, labels in by_reason.items():
+        if len(labels) == 1:
+            _note(f"skipped {labels[0]}: {reason}")
+        else:
+            shown = ", ".join(labels[:NOTE_EXAMPLES]) + (", …" if len(labels) > NOTE_EXAMPLES else "")
+            _note(f"skipped {len(labels)} files, {reason}: {shown}")
+
+
 def _note(message: str) -> None:
     if not Ctx.json:
-        err_console.print(f"[yellow]note:[/] {message}", highlight=False, markup=False, soft_wrap=True)
+        err_console.print(f"[yellow]note:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -134,10 +148,7 @@ def index(
     if overlap * 2 > chunk_chars:
         fail(f"--overlap {overlap} is more than half of --chunk-chars {chunk_chars}")
     files, skipped = collect_files(path)
-    for label, reason in skipped[:MAX_NOTES]:
-        _note(f"skipped {label}: {reason}")
-    if len(skipped) > MAX_NOTES:
-        _note(f"skipped {len(skipped) - MAX_NOTES} more files")
+    _note_skipped(skipped)
     if not files:
         fail(f"no text or markdown files at {path} (read: {', '.join(sorted(TEXT_SUFFIXES))})")
 
@@ -169,8 +180,9 @@ def index(
     if Ctx.json:
         emit_json({**meta, "path": str(where)})
         return
-    console.print(f"indexed {len(files)} files as {len(records)} chunks ({vectors.shape[1]}-dimensional, "
-                  f"route {model}) into collection [bold]{collection}[/] at {where}", highlight=False)
+    files_text = f"{len(files)} file" + ("s" if len(files) != 1 else "")
+    console.print(f"indexed {files_text} as {len(records)} chunks ({vectors.shape[1]}-dimensional, route {model}) "
+                  f"into collection [bold]{collection}[/] at {escape(str(where))}", highlight=False)
 
 
 def _no_answer(reason: str, collection: str) -> NoReturn:
