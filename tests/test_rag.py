@@ -174,3 +174,24 @@ def test_chunks_follow_headings_paragraphs_and_fences() -> None:
     assert chunks[1].section == "Part" and chunks[1].text.startswith("## Part") and chunks[1].line == 5
     assert any(code in c.text for c in chunks) and all(c.section == "Part" for c in chunks[1:])
     assert chunks[-1].text.endswith("after")
+
+
+def test_a_write_that_dies_midway_leaves_the_previous_collection(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from examlops_cli import _rag_store
+    from examlops_cli._output import Ctx
+
+    monkeypatch.setenv("EXAMLOPS_RAG_DIR", str(tmp_path))
+    monkeypatch.setattr(Ctx, "_settings", None)
+    first = np.eye(2, dtype=np.float32)
+    _rag_store.write_collection("c", {"embedding_model": "m"}, [{"text": "a"}, {"text": "b"}], first)
+
+    def crash(*_: object, **__: object) -> None:  # the process dying while the new vectors are written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_rag_store.np, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _rag_store.write_collection("c", {"embedding_model": "m"}, [{"text": "new"}], np.ones((1, 2), np.float32))
+    kept = _rag_store.load_collection("c")
+    assert [c["text"] for c in kept.chunks] == ["a", "b"] and np.array_equal(kept.vectors, first)
+    assert len([p for p in os.listdir(tmp_path) if p.startswith(".build~")]) == 1
