@@ -231,8 +231,9 @@ def _usage(ports: StackPorts, model: str) -> None:
   print(client.chat.completions.create(model="{model}",
         messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)
 
-  # Embeddings ({EMBEDDING_ROUTE}: all-MiniLM-L6-v2, 384 dimensions); route {DEFAULT_ROUTE} is {model} again
-  curl -s {url}/v1/embeddings -H 'Authorization: Bearer {key}' \
+  # Embeddings ({EMBEDDING_ROUTE}: all-MiniLM-L6-v2, 384 dimensions), by curl or the client above;
+  # route {DEFAULT_ROUTE} is {model} again (exa rag query generates on it)
+  curl -s {url}/v1/embeddings -H 'Authorization: Bearer {key}' \\
        -H 'Content-Type: application/json' -d '{{"model": "{EMBEDDING_ROUTE}", "input": ["Hello!"]}}'
   print(len(client.embeddings.create(model="{EMBEDDING_ROUTE}", input="Hello!").data[0].embedding))
 
