@@ -52,9 +52,9 @@ def read_embedding(route: str, data: bytes) -> np.ndarray:
     raw = first.get("embedding")
     try:
         if isinstance(raw, str):  # encoding_format base64: little-endian float32
-            vector = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<f4").astype(np.float32)
+            vector = np.frombuffer(base64.b64decode(raw, validate=True), dtype="<f4").astype(np.float64)
         elif isinstance(raw, list) and all(isinstance(x, int | float) and not isinstance(x, bool) for x in raw):
-            vector = np.asarray(raw, dtype=np.float32)
+            vector = np.asarray(raw, dtype=np.float64)  # float32 only once normalized: no overflow
         else:
             raise CacheEmbedError(f"the embedding route {route!r} answered with data[0].embedding of type "
                                   f"{type(raw).__name__}, not a list of numbers or base64")
@@ -67,8 +67,7 @@ def read_embedding(route: str, data: bytes) -> np.ndarray:
     norm = float(np.linalg.norm(vector))
     if norm == 0.0 or not np.isfinite(norm):
         raise CacheEmbedError(f"the embedding route {route!r} answered with a zero embedding")
-    vector /= norm
-    return vector
+    return (vector / norm).astype(np.float32)
 
 
 async def embed(engine_proxy: ep_grpc.EngineProxyStub, route: str, text: str, timeout_s: float) -> np.ndarray:

@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 import redis.asyncio as redis
 
+from ._semantic_rows import SpaceRows
+
 __all__ = ["LOG_LEN", "SemanticIndex", "semcache_keys"]
 
 log = logging.getLogger(__name__)
@@ -135,63 +137,6 @@ def _unit(vector: np.ndarray) -> np.ndarray | None:
     return v if abs(norm - 1.0) < 1e-4 else v / norm
 
 
-class SpaceRows:
-    """One (space, dimension)'s vectors as one float32 matrix; appended rows, removed rows expire at 0."""
-
-    __slots__ = ("_row", "dim", "expires", "ids", "key", "live", "n", "vectors")
-
-    def __init__(self, key: tuple[str, int], capacity: int = 16) -> None:
-        self.key, self.dim = key, key[1]
-        self.vectors = np.zeros((capacity, self.dim), np.float32)
-        self.expires = np.zeros(capacity, np.int64)  # wall clock ms; 0 for a removed row
-        self.ids: list[str | None] = []
-        self._row: dict[str, int] = {}
-        self.n = self.live = 0
-
-    def append(self, entry_id: str, vector: np.ndarray, expires: int) -> None:
-        if self.n == self.vectors.shape[0]:
-            dead = self.n - self.live
-            self._rebuild(max(16, 2 * self.live) if dead * 4 >= self.n else 2 * self.n)
-        self.vectors[self.n] = vector
-        self.expires[self.n] = expires
-        self.ids.append(entry_id)
-        self._row[entry_id] = self.n
-        self.n += 1
-        self.live += 1
-
-    def remove(self, entry_id: str) -> None:
-        row = self._row.pop(entry_id)
-        self.expires[row] = 0
-        self.ids[row] = None
-        self.live -= 1
-
-    def expires_of(self, entry_id: str) -> int:
-        return int(self.expires[self._row[entry_id]])
-
-    def entry_ids(self) -> list[str]:
-        return list(self._row)
-
-    def expired(self, now_ms: int) -> list[str]:
-        ends = self.expires[:self.n]
-        return [self.ids[r] or "" for r in np.flatnonzero((ends > 0) & (ends <= now_ms))]
-
-    def maybe_compact(self) -> None:
-        """Drop removed rows once they are a quarter of the matrix (and shrink it with the live set)."""
-        dead = self.n - self.live
-        if dead >= 16 and dead * 4 >= self.n:
-            self._rebuild(max(16, 2 * self.live))
-
-    def _rebuild(self, capacity: int) -> None:
-        keep = np.flatnonzero(self.expires[:self.n] > 0)
-        vectors = np.zeros((capacity, self.dim), np.float32)
-        expires = np.zeros(capacity, np.int64)
-        vectors[:keep.size] = self.vectors[keep]
-        expires[:keep.size] = self.expires[keep]
-        self.ids = [self.ids[r] for r in keep]
-        self._row = {entry_id: row for row, entry_id in enumerate(self.ids) if entry_id is not None}
-        self.vectors, self.expires, self.n = vectors, expires, int(keep.size)
-
-
 class SemanticIndex:
     """Cached conversations' vectors by space, shared by every replica through Redis (see the module doc)."""
 
@@ -214,6 +159,8 @@ class SemanticIndex:
         self._counts = dict.fromkeys(("added", "evicted", "expired", "flushed", "hits", "add_errors",
                                       "sync_errors", "reloads"), 0)
         self._failing = False
+        self._adding = 0  # adds applied here whose script has not answered (Redis may evict for them)
+        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -227,11 +174,16 @@ class SemanticIndex:
         self._task = asyncio.create_task(self._follow(), name="semantic-index-sync")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        """Stop following Redis (bounded: the follower also stops at its next round if a library swallowed
+        the cancellation)."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await asyncio.wait({task}, timeout=max(1.0, 4 * self.sync_interval_s))
+            if not task.done():
+                log.warning("semantic cache: the follower did not stop when cancelled; it stops at its next round")
 
     # -- the request path --------------------------------------------------------------------------
 
@@ -265,18 +217,19 @@ class SemanticIndex:
 
     async def add(self, space: str, vector: np.ndarray, entry_id: str, ttl_s: int) -> None:
         """Store an entry for every replica (this one at once); never raises (failures are logged and counted)."""
+        unit = _unit(vector) if isinstance(vector, np.ndarray) and vector.ndim == 1 else None
+        if unit is None or ttl_s <= 0:
+            self._counts["add_errors"] += 1
+            log.warning("semantic cache: not storing %s (not a non-zero vector, or ttl %s)", entry_id, ttl_s)
+            return
+        now = _now_ms()
+        expires = now + int(ttl_s) * 1000
+        self._adding += 1
         try:
-            unit = _unit(vector)
-            if unit is None or ttl_s <= 0:
-                log.warning("semantic cache: not storing %s (zero vector or ttl %s)", entry_id, ttl_s)
-                return
-            now = _now_ms()
-            expires = now + int(ttl_s) * 1000
             self._apply_add(entry_id, space, unit, expires)
-            record = pack_record(space, unit, expires)
             async with asyncio.timeout(self.redis_timeout_s):
                 evicted = await self._add_script(keys=self._keys, args=[
-                    entry_id, space, expires, record, now, self.max_entries, LOG_LEN])
+                    entry_id, space, expires, pack_record(space, unit, expires), now, self.max_entries, LOG_LEN])
             for victim in evicted:  # Redis's choice, applied here now (its log events then change nothing)
                 if self._remove(_text(victim)):
                     self._counts["evicted"] += 1
@@ -285,6 +238,7 @@ class SemanticIndex:
             log.warning("semantic cache: could not store %s for other replicas: %s", entry_id,
                         exc or type(exc).__name__)
         finally:
+            self._adding -= 1
             self._enforce_cap()
 
     async def flush(self, space_prefix: str) -> int:
@@ -304,7 +258,7 @@ class SemanticIndex:
     # -- following Redis ---------------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 async with asyncio.timeout(max(self.redis_timeout_s, 4 * self.sync_interval_s)):
                     await (self._load() if self._reload else self._poll())
@@ -410,7 +364,7 @@ class SemanticIndex:
 
     def _enforce_cap(self) -> None:
         """Redis's evictions keep the copy at `max_entries`; this bounds it when they cannot arrive."""
-        while len(self._where) > self.max_entries:
+        while len(self._where) > self.max_entries + self._adding:
             self._remove(next(iter(self._where)))  # the least recently used here
             self._counts["evicted"] += 1
 
