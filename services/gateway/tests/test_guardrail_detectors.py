@@ -184,3 +184,13 @@ def test_judge_turns_a_failing_route_into_judge_error() -> None:
 
     with pytest.raises(JudgeError, match="failed: ConnectionRefusedError"):
         asyncio.run(ModelJudge("guard", refused).scan("text"))
+
+
+def test_a_detector_is_built_once_per_configuration() -> None:
+    """Rules rebuilt on every policy change share their detectors: a rebuilt Presidio detector was
+    never freed (gc.freeze), and a gateway grew by gigabytes over a few hundred policy changes."""
+    assert build_detector("pii") is build_detector("pii", entities=None)
+    assert build_detector("pii", entities=["EMAIL_ADDRESS"]) is build_detector("pii", entities=["EMAIL_ADDRESS"])
+    assert build_detector("pii", entities=["EMAIL_ADDRESS"]) is not build_detector("pii")
+    assert build_detector("regex", pattern="a+b") is build_detector("regex", pattern="a+b")
+    assert build_detector("regex", pattern="a+b") is not build_detector("regex", pattern="a+c")
