@@ -82,7 +82,12 @@ def test_repo_docs_answered_by_smollm2_with_sources(stack: Stack, routes: None, 
     text = rag(stack, store, "query", next(iter(questions)), "--collection", "repo-docs", "--max-tokens", "32")
     assert text.returncode == 0 and "\nSources:\n  [1] GUARDRAILS.md (chunk " in text.stdout
 
-    stopped = rag(stack, store, "query", next(iter(questions)), "--collection", "repo-docs",
-                  gateway=f"http://127.0.0.1:{free_port()}")
+    # A gateway of its own, answering, then stopped: the same query has no answer and exits 1.
+    proc, own = stack.start_gateway_replica("gateway-rag")
+    wait_until(lambda: rag(stack, store, "query", next(iter(questions)), "--collection", "repo-docs",
+                           "--max-tokens", "8", gateway=own).returncode == 0,
+               timeout_s=60, what="the new gateway answers once its routes are loaded")
+    proc.stop()
+    stopped = rag(stack, store, "query", next(iter(questions)), "--collection", "repo-docs", gateway=own)
     assert (stopped.returncode, stopped.stdout.strip()) == (1, "(no answer)")
-    assert "cannot reach the gateway" in stopped.stderr
+    assert f"cannot reach the gateway at {own}" in stopped.stderr
