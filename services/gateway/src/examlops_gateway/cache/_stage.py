@@ -156,7 +156,7 @@ class CacheStage:
             if why is None:
                 call.client_bound = client_bound
                 try:
-                    await self._find(call, ticket, body, no_cache)
+                    await self._find(call, ticket, raw, body, no_cache)
                     call.store = not no_store and call.answer is None and bool(call.key)
                 except (redis.RedisError, OSError, CacheEmbedError) as exc:
                     log.warning("cache lookup on %s failed, the call goes uncached: %s", policy.model, exc)
@@ -167,7 +167,7 @@ class CacheStage:
         self.book.tally(policy.model, policy.mode, call.outcome)
         return call
 
-    async def _find(self, call: CacheCall, ticket: Ticket, body: dict[str, Any], no_cache: bool) -> None:
+    async def _find(self, call: CacheCall, ticket: Ticket, raw: bytes, body: dict[str, Any], no_cache: bool) -> None:
         policy = call.policy
         scope = scope_of(policy, ticket)
         if policy.mode == "exact":
@@ -176,7 +176,8 @@ class CacheStage:
                 stored = await self.redis.get(entry_key("exact", policy.model, call.key))
                 self._found(call, stored, "hit-exact")
             return
-        found = semantic_space(policy.model, scope, policy.embedding_model, body, orjson.loads(ticket.body))
+        engine_body = body if ticket.body is raw else orjson.loads(ticket.body)  # parsed again only when rewritten
+        found = semantic_space(policy.model, scope, policy.embedding_model, body, engine_body)
         if found is None:
             return  # no user turn to compare: a bypass
         call.key, text = found
