@@ -12,19 +12,15 @@ import httpx
 import pytest
 
 from examlops_cli._eval import EvalMetrics, decide_gate, load_suite, run_eval, text_logprobs
-from examlops_devstack import Proc
-from examlops_testsupport.fixtures import free_port
-from examlops_testsupport.vllm import smol_block, start_vllm
+from examlops_testsupport.vllm import smol_server
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    proc: Proc = start_vllm(tmp_path_factory.mktemp("vllm-eval"), port, smol_block())
-    yield f"http://127.0.0.1:{port}"
-    proc.stop()
+    with smol_server(tmp_path_factory.mktemp("vllm-eval")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from examlops_devstack import Proc
 from examlops_testsupport import REPO_ROOT
-from examlops_testsupport.fixtures import Stack, free_port, wait_until
+from examlops_testsupport.fixtures import Stack, wait_until
 from examlops_testsupport.plugin import VllmServer
-from examlops_testsupport.vllm import smol_block, start_vllm
+from examlops_testsupport.vllm import smol_server
 
 pytestmark = pytest.mark.vllm
 
@@ -26,10 +25,8 @@ DOCS = {"MODEL-VERSIONS.md": "docs/MODEL-VERSIONS.md", "GOVERNANCE.md": "service
 
 @pytest.fixture(scope="module")
 def smol_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    proc: Proc = start_vllm(tmp_path_factory.mktemp("vllm-rag"), port, smol_block())
-    yield f"http://127.0.0.1:{port}"
-    proc.stop()
+    with smol_server(tmp_path_factory.mktemp("vllm-rag")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

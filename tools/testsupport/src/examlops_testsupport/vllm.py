@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from examlops.engine import cached_venv_dir, find_model, render_vllm_command, require_vllm_python
 from examlops_devstack import Proc, http_ok, spawn
 from examlops_testsupport import REPO_ROOT
+from examlops_testsupport.fixtures import free_port
 
 ROOT = REPO_ROOT
 USECASES = ROOT / "usecases"
@@ -71,6 +74,17 @@ def start_vllm(workdir: Path, port: int, block: Any, log_name: str = "vllm.log",
         time.sleep(1)
     proc.remember_group()
     return proc
+
+
+@contextlib.contextmanager
+def smol_server(workdir: Path) -> Iterator[str]:
+    """SmolLM2 on a real `vllm serve` on a free port, for the `with` block: its base URL."""
+    port = free_port()
+    proc = start_vllm(workdir, port, smol_block())
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
 
 
 def launcher_settings(root: Path) -> dict[str, str]:
