@@ -54,22 +54,69 @@ class GenerateChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., final: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., media_parts_dropped: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRoutesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("name", "engine", "base_url", "state", "routable")
+    __slots__ = ("name", "engine", "base_url", "state", "routable", "routing", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUTABLE_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     engine: str
     base_url: str
     state: str
     routable: bool
-    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[str] = ..., routable: _Optional[bool] = ...) -> None: ...
+    routing: str
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
+    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[str] = ..., routable: _Optional[bool] = ..., routing: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStats(_message.Message):
+    __slots__ = ("id", "base_url", "healthy", "draining", "ejected_until_ms", "in_flight", "requests_running", "requests_waiting", "kv_cache_usage", "metrics_age_ms", "requests", "errors", "ejections", "retries", "picks")
+    class PicksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    EJECTED_UNTIL_MS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    PICKS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    base_url: str
+    healthy: bool
+    draining: bool
+    ejected_until_ms: int
+    in_flight: int
+    requests_running: float
+    requests_waiting: float
+    kv_cache_usage: float
+    metrics_age_ms: int
+    requests: int
+    errors: int
+    ejections: int
+    retries: int
+    picks: _containers.ScalarMap[str, int]
+    def __init__(self, id: _Optional[str] = ..., base_url: _Optional[str] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., ejected_until_ms: _Optional[int] = ..., in_flight: _Optional[int] = ..., requests_running: _Optional[float] = ..., requests_waiting: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., metrics_age_ms: _Optional[int] = ..., requests: _Optional[int] = ..., errors: _Optional[int] = ..., ejections: _Optional[int] = ..., retries: _Optional[int] = ..., picks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListRoutesResponse(_message.Message):
     __slots__ = ("routes",)

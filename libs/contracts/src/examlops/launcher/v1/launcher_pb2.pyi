@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartRequest(_message.Message):
-    __slots__ = ("name", "launcher", "base_url", "hf_model", "engine_block_json", "project", "nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "partition", "walltime", "actor", "replace", "port", "model_version")
+    __slots__ = ("name", "launcher", "base_url", "hf_model", "engine_block_json", "project", "nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "partition", "walltime", "actor", "replace", "port", "model_version", "replicas", "base_urls")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LAUNCHER_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class StartRequest(_message.Message):
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    BASE_URLS_FIELD_NUMBER: _ClassVar[int]
     name: str
     launcher: str
     base_url: str
@@ -42,7 +44,9 @@ class StartRequest(_message.Message):
     replace: bool
     port: int
     model_version: str
-    def __init__(self, name: _Optional[str] = ..., launcher: _Optional[str] = ..., base_url: _Optional[str] = ..., hf_model: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., project: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., partition: _Optional[str] = ..., walltime: _Optional[str] = ..., actor: _Optional[str] = ..., replace: _Optional[bool] = ..., port: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
+    replicas: int
+    base_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., launcher: _Optional[str] = ..., base_url: _Optional[str] = ..., hf_model: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., project: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., partition: _Optional[str] = ..., walltime: _Optional[str] = ..., actor: _Optional[str] = ..., replace: _Optional[bool] = ..., port: _Optional[int] = ..., model_version: _Optional[str] = ..., replicas: _Optional[int] = ..., base_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LaunchPlan(_message.Message):
     __slots__ = ("launcher", "argv", "env", "script", "manifest", "commands", "summary", "files", "endpoint_file", "transport")
@@ -97,7 +101,7 @@ class StatusRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("endpoint", "substrate", "metrics")
+    __slots__ = ("endpoint", "substrate", "metrics", "replicas")
     class SubstrateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,10 +119,86 @@ class StatusResponse(_message.Message):
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SUBSTRATE_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     endpoint: _registry_pb2.Endpoint
     substrate: _containers.ScalarMap[str, str]
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, endpoint: _Optional[_Union[_registry_pb2.Endpoint, _Mapping]] = ..., substrate: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, endpoint: _Optional[_Union[_registry_pb2.Endpoint, _Mapping]] = ..., substrate: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("id", "base_url", "state", "substrate", "metrics", "detail", "draining")
+    class SubstrateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SUBSTRATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    base_url: str
+    state: str
+    substrate: _containers.ScalarMap[str, str]
+    metrics: _containers.ScalarMap[str, float]
+    detail: str
+    draining: bool
+    def __init__(self, id: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[str] = ..., substrate: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., detail: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("name", "replicas", "drain_timeout_s", "dry_run")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    replicas: int
+    drain_timeout_s: float
+    dry_run: bool
+    def __init__(self, name: _Optional[str] = ..., replicas: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class AddReplicaRequest(_message.Message):
+    __slots__ = ("name", "base_url")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_url: str
+    def __init__(self, name: _Optional[str] = ..., base_url: _Optional[str] = ...) -> None: ...
+
+class RemoveReplicaRequest(_message.Message):
+    __slots__ = ("name", "replica", "drain_timeout_s", "dry_run")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    replica: str
+    drain_timeout_s: float
+    dry_run: bool
+    def __init__(self, name: _Optional[str] = ..., replica: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class PoolChangeResponse(_message.Message):
+    __slots__ = ("endpoint", "plan", "changes")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    endpoint: _registry_pb2.Endpoint
+    plan: LaunchPlan
+    changes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, endpoint: _Optional[_Union[_registry_pb2.Endpoint, _Mapping]] = ..., plan: _Optional[_Union[LaunchPlan, _Mapping]] = ..., changes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("name", "actor")

@@ -60,6 +60,21 @@ class LauncherStub:
                 request_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.StopRequest.SerializeToString,
                 response_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.StopResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/examlops.launcher.v1.Launcher/Scale',
+                request_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.FromString,
+                _registered_method=True)
+        self.AddReplica = channel.unary_unary(
+                '/examlops.launcher.v1.Launcher/AddReplica',
+                request_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.AddReplicaRequest.SerializeToString,
+                response_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.FromString,
+                _registered_method=True)
+        self.RemoveReplica = channel.unary_unary(
+                '/examlops.launcher.v1.Launcher/RemoveReplica',
+                request_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.RemoveReplicaRequest.SerializeToString,
+                response_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.FromString,
+                _registered_method=True)
 
 
 class LauncherServicer:
@@ -96,6 +111,26 @@ class LauncherServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveReplica(self, request, context):
+        """Drains the replica (no new requests; waits until its server reports nothing running or
+        waiting, at most drain_timeout_s), stops its job when the launcher started one, then forgets it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LauncherServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +158,21 @@ def add_LauncherServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.StopRequest.FromString,
                     response_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.StopResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.ScaleRequest.FromString,
+                    response_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.SerializeToString,
+            ),
+            'AddReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddReplica,
+                    request_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.AddReplicaRequest.FromString,
+                    response_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.SerializeToString,
+            ),
+            'RemoveReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveReplica,
+                    request_deserializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.RemoveReplicaRequest.FromString,
+                    response_serializer=examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +310,87 @@ class Launcher:
             '/examlops.launcher.v1.Launcher/Stop',
             examlops_dot_launcher_dot_v1_dot_launcher__pb2.StopRequest.SerializeToString,
             examlops_dot_launcher_dot_v1_dot_launcher__pb2.StopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.launcher.v1.Launcher/Scale',
+            examlops_dot_launcher_dot_v1_dot_launcher__pb2.ScaleRequest.SerializeToString,
+            examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.launcher.v1.Launcher/AddReplica',
+            examlops_dot_launcher_dot_v1_dot_launcher__pb2.AddReplicaRequest.SerializeToString,
+            examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.launcher.v1.Launcher/RemoveReplica',
+            examlops_dot_launcher_dot_v1_dot_launcher__pb2.RemoveReplicaRequest.SerializeToString,
+            examlops_dot_launcher_dot_v1_dot_launcher__pb2.PoolChangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ ENDPOINT_STATE_STOPPED: EndpointState
 ENDPOINT_STATE_DISABLED: EndpointState
 
 class Endpoint(_message.Message):
-    __slots__ = ("name", "base_url", "state", "launcher", "job_id", "project", "served_model_name", "engine", "engine_block_json", "created_at_ms", "updated_at_ms", "state_reason", "revision", "model_version")
+    __slots__ = ("name", "base_url", "state", "launcher", "job_id", "project", "served_model_name", "engine", "engine_block_json", "created_at_ms", "updated_at_ms", "state_reason", "revision", "model_version", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Endpoint(_message.Message):
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     base_url: str
     state: EndpointState
@@ -55,7 +56,28 @@ class Endpoint(_message.Message):
     state_reason: str
     revision: int
     model_version: str
-    def __init__(self, name: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., launcher: _Optional[str] = ..., job_id: _Optional[str] = ..., project: _Optional[str] = ..., served_model_name: _Optional[str] = ..., engine: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., state_reason: _Optional[str] = ..., revision: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, name: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., launcher: _Optional[str] = ..., job_id: _Optional[str] = ..., project: _Optional[str] = ..., served_model_name: _Optional[str] = ..., engine: _Optional[str] = ..., engine_block_json: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., state_reason: _Optional[str] = ..., revision: _Optional[int] = ..., model_version: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("id", "base_url", "state", "source", "job_id", "state_reason", "last_health_ms", "draining")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEALTH_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    base_url: str
+    state: EndpointState
+    source: str
+    job_id: str
+    state_reason: str
+    last_health_ms: int
+    draining: bool
+    def __init__(self, id: _Optional[str] = ..., base_url: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., source: _Optional[str] = ..., job_id: _Optional[str] = ..., state_reason: _Optional[str] = ..., last_health_ms: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RegisterEndpointRequest(_message.Message):
     __slots__ = ("endpoint", "actor", "replace")
@@ -88,7 +110,7 @@ class ListEndpointsResponse(_message.Message):
     def __init__(self, endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
 
 class UpdateEndpointRequest(_message.Message):
-    __slots__ = ("name", "state", "base_url", "job_id", "state_reason", "actor", "action")
+    __slots__ = ("name", "state", "base_url", "job_id", "state_reason", "actor", "action", "replica", "draining", "last_health_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +118,9 @@ class UpdateEndpointRequest(_message.Message):
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEALTH_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: EndpointState
     base_url: str
@@ -103,7 +128,30 @@ class UpdateEndpointRequest(_message.Message):
     state_reason: str
     actor: str
     action: str
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., base_url: _Optional[str] = ..., job_id: _Optional[str] = ..., state_reason: _Optional[str] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
+    replica: str
+    draining: bool
+    last_health_ms: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[EndpointState, str]] = ..., base_url: _Optional[str] = ..., job_id: _Optional[str] = ..., state_reason: _Optional[str] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., replica: _Optional[str] = ..., draining: _Optional[bool] = ..., last_health_ms: _Optional[int] = ...) -> None: ...
+
+class AddReplicaRequest(_message.Message):
+    __slots__ = ("name", "replica", "actor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    replica: Replica
+    actor: str
+    def __init__(self, name: _Optional[str] = ..., replica: _Optional[_Union[Replica, _Mapping]] = ..., actor: _Optional[str] = ...) -> None: ...
+
+class RemoveReplicaRequest(_message.Message):
+    __slots__ = ("name", "replica", "actor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    replica: str
+    actor: str
+    def __init__(self, name: _Optional[str] = ..., replica: _Optional[str] = ..., actor: _Optional[str] = ...) -> None: ...
 
 class RemoveEndpointRequest(_message.Message):
     __slots__ = ("name", "actor")

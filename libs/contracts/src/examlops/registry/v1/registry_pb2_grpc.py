@@ -60,6 +60,16 @@ class RegistryStub:
                 request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveEndpointRequest.SerializeToString,
                 response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveEndpointResponse.FromString,
                 _registered_method=True)
+        self.AddReplica = channel.unary_unary(
+                '/examlops.registry.v1.Registry/AddReplica',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.AddReplicaRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.Endpoint.FromString,
+                _registered_method=True)
+        self.RemoveReplica = channel.unary_unary(
+                '/examlops.registry.v1.Registry/RemoveReplica',
+                request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveReplicaRequest.SerializeToString,
+                response_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.Endpoint.FromString,
+                _registered_method=True)
         self.WatchEndpoints = channel.unary_stream(
                 '/examlops.registry.v1.Registry/WatchEndpoints',
                 request_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.WatchEndpointsRequest.SerializeToString,
@@ -195,6 +205,18 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RemoveEndpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveReplica(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -361,6 +383,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.RemoveEndpoint,
                     request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveEndpointRequest.FromString,
                     response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveEndpointResponse.SerializeToString,
+            ),
+            'AddReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddReplica,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.AddReplicaRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.Endpoint.SerializeToString,
+            ),
+            'RemoveReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveReplica,
+                    request_deserializer=examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveReplicaRequest.FromString,
+                    response_serializer=examlops_dot_registry_dot_v1_dot_registry__pb2.Endpoint.SerializeToString,
             ),
             'WatchEndpoints': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEndpoints,
@@ -603,6 +635,60 @@ class Registry:
             '/examlops.registry.v1.Registry/RemoveEndpoint',
             examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveEndpointRequest.SerializeToString,
             examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveEndpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/AddReplica',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.AddReplicaRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.Endpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.registry.v1.Registry/RemoveReplica',
+            examlops_dot_registry_dot_v1_dot_registry__pb2.RemoveReplicaRequest.SerializeToString,
+            examlops_dot_registry_dot_v1_dot_registry__pb2.Endpoint.FromString,
             options,
             channel_credentials,
             insecure,
