@@ -37,10 +37,12 @@ from ._schema import (
     KV_CACHE_DTYPES,
     QUANTIZATION_FOR_DTYPE,
     QUANTIZATIONS,
+    ROUTINGS,
     SPECULATIVE_METHODS,
     TASKS,
     EngineBlock,
     SpeculativeDecoding,
+    routing_of,
     task_of,
 )
 from ._sglang import render_sglang_command
@@ -65,6 +67,7 @@ __all__ = [
     "MODALITY_MEDIA",
     "QUANTIZATIONS",
     "QUANTIZATION_FOR_DTYPE",
+    "ROUTINGS",
     "SGLANG_OWNED_FLAGS",
     "SPECULATIVE_METHODS",
     "TASKS",
@@ -98,6 +101,7 @@ __all__ = [
     "render_sglang_command",
     "render_vllm_command",
     "require_vllm_python",
+    "routing_of",
     "task_of",
     "validate_pack_dir",
     "vllm_speculative_config",

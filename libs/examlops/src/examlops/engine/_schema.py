@@ -25,6 +25,8 @@ Quantization = Literal[
 KvCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]
 SpeculativeMethod = Literal["draft_model", "ngram", "eagle", "eagle3", "mtp"]
 Task = Literal["generate", "embed"]
+#: How engine-proxy spreads an endpoint's requests over its replicas (not a server flag).
+Routing = Literal["least-load", "prefix", "session", "round-robin"]
 
 ENGINES: tuple[str, ...] = typing.get_args(EngineName)
 #: Spellings that mean another engine; the block stores the canonical name.
@@ -34,6 +36,7 @@ QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
 KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KvCacheDType)
 SPECULATIVE_METHODS: tuple[str, ...] = typing.get_args(SpeculativeMethod)
 TASKS: tuple[str, ...] = typing.get_args(Task)
+ROUTINGS: tuple[str, ...] = typing.get_args(Routing)
 #: Engines that serve `task: embed` (vLLM's pooling server, and echo's deterministic vectors).
 EMBED_ENGINES: tuple[str, ...] = ("vllm-server", "echo")
 #: Methods whose drafts come from a separate model (an EAGLE head counts as one).
@@ -119,8 +122,9 @@ class EngineBlock(BaseModel):
 
     `engine: vllm` is stored as `vllm-server`; `mode` defaults to `inproc` for `vllm-inproc` and
     to `server` otherwise. `task` says what the endpoint serves: `generate` (chat and completions)
-    or `embed` (`/v1/embeddings`, vLLM's pooling runner). Unset tuning fields (None) leave the
-    engine's own default in place.
+    or `embed` (`/v1/embeddings`, vLLM's pooling runner). `routing` is how engine-proxy picks a
+    replica of the endpoint's pool per request (`least-load`, `prefix`, `session`, `round-robin`);
+    it renders no flag. Unset tuning fields (None) leave the engine's own default in place.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -128,6 +132,7 @@ class EngineBlock(BaseModel):
     engine: EngineName = "vllm-server"
     mode: EngineMode = "server"
     task: Task = "generate"
+    routing: Routing = "least-load"
     base_url: str | None = None
     hf_model_id: ArgToken | None = None
     served_model_name: ArgToken | None = None
@@ -279,6 +284,21 @@ class EngineBlock(BaseModel):
         return [i.under("extra_args") for i in extra_args_issues(self.extra_args, owned)]
 
 
+def _block_data(engine_block_json: str) -> dict[str, Any]:
+    try:
+        data = json.loads(engine_block_json) if engine_block_json else None
+    except (TypeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def routing_of(engine_block_json: str) -> str:
+    """The routing policy of an engine block stored as JSON; `least-load` when unset or unknown
+    (never raises: the registry only stores validated blocks)."""
+    value = _block_data(engine_block_json).get("routing")
+    return value if value in ROUTINGS else "least-load"
+
+
 def task_of(engine_block_json: str) -> str:
     """The task (`generate` or `embed`) of an engine block stored as JSON, as the registry holds it.
 
@@ -286,8 +306,4 @@ def task_of(engine_block_json: str) -> str:
     is a `generate` endpoint (the registry only stores validated blocks, so this is a fallback,
     not a second validator).
     """
-    try:
-        data = json.loads(engine_block_json) if engine_block_json else None
-    except (TypeError, ValueError):
-        return "generate"
-    return "embed" if isinstance(data, dict) and data.get("task") == "embed" else "generate"
+    return "embed" if _block_data(engine_block_json).get("task") == "embed" else "generate"
