@@ -20,16 +20,18 @@ REQUEST_KIND_COMPLETION: RequestKind
 REQUEST_KIND_EMBEDDINGS: RequestKind
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("endpoint", "kind", "body_json", "request_id")
+    __slots__ = ("endpoint", "kind", "body_json", "request_id", "session_id")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     kind: RequestKind
     body_json: bytes
     request_id: str
-    def __init__(self, endpoint: _Optional[str] = ..., kind: _Optional[_Union[RequestKind, str]] = ..., body_json: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, endpoint: _Optional[str] = ..., kind: _Optional[_Union[RequestKind, str]] = ..., body_json: _Optional[bytes] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
