@@ -103,6 +103,7 @@ def test_a_server_engine_needs_a_model() -> None:
     issue = issue_for(rejected(hf_model_id=None), "engine.hf_model_id")
     assert issue.value is None and "needs the model it serves" in issue.message
     parse_engine_block({"engine": "echo"})  # echo serves nothing
+    parse_engine_block({"base_url": "http://gpu01:8000", "routing": "prefix"})  # already serving its model
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3"])

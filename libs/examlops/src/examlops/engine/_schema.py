@@ -231,10 +231,12 @@ class EngineBlock(BaseModel):
             issues.append(EngineBlockIssue(
                 "base_url", self.base_url, "an in-process engine has no server to reach", ("null",)
             ))
-        if self.engine != "echo" and self.hf_model_id is None:
+        # A block naming a server that already runs (an external endpoint) need not say what it serves.
+        if self.engine != "echo" and self.hf_model_id is None and self.base_url is None:
             issues.append(EngineBlockIssue(
                 "hf_model_id", None, f"engine {self.engine!r} needs the model it serves",
-                ("a Hugging Face model id such as Qwen/Qwen3-VL-8B-Instruct",),
+                ("a Hugging Face model id such as Qwen/Qwen3-VL-8B-Instruct",
+                 "or the base_url of a server already running it"),
             ))
         return issues
 
