@@ -66,7 +66,27 @@ def endpoint_dict(ep: reg.Endpoint) -> dict[str, Any]:
     d["created_at_ms"], d["updated_at_ms"], d["revision"] = ep.created_at_ms, ep.updated_at_ms, ep.revision
     d["engine_block"] = orjson.loads(ep.engine_block_json) if ep.engine_block_json else None
     d.pop("engine_block_json", None)
+    d["replicas"] = [replica_dict(r) for r in ep.replicas]
     return d
+
+
+def replica_dict(r: reg.Replica) -> dict[str, Any]:
+    """A replica with its state by name and its time as a number (MessageToDict gives enums and strings)."""
+    return {"id": r.id, "base_url": r.base_url, "state": state_name(r.state), "source": r.source,
+            "job_id": r.job_id, "draining": r.draining, "state_reason": r.state_reason,
+            "last_health_ms": r.last_health_ms}
+
+
+def replicas_ready(ep: reg.Endpoint) -> str:
+    """`ready/total`: replicas READY and not draining, of all; empty for an endpoint with no server (echo)."""
+    ready = sum(r.state == reg.ENDPOINT_STATE_READY and not r.draining for r in ep.replicas)
+    return f"{ready}/{len(ep.replicas)}" if ep.replicas else ""
+
+
+def pool_line(ep: reg.Endpoint) -> str:
+    """`r0 READY http://a:8000, r1 STARTING http://b:8000 (draining)`: the pool on one line."""
+    return ", ".join(f"{r.id} {state_name(r.state)} {r.base_url or '(no address)'}"
+                     + (" (draining)" if r.draining else "") for r in ep.replicas)
 
 
 STATE_STYLE = {"READY": "green", "FAILED": "red", "STOPPED": "dim", "DISABLED": "dim", "PENDING": "yellow",

@@ -1,4 +1,4 @@
-"""`exa serve llm …`: start, list, health, status, chat, stop."""
+"""`exa serve llm …`: start, list, health, chat, stop (status and pool changes: serve_llm_pool)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,25 @@ import orjson
 import typer
 from rich.markup import escape
 
+from examlops.engine import ROUTINGS
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as ep_pb
 from examlops.launcher.v1 import launcher_pb2 as la
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.svc import error_reason, parse_state, state_name
 
 from ._chat import build_messages
-from ._output import Ctx, console, emit_json, endpoint_dict, err_console, fail, message_dict, table
+from ._output import (
+    Ctx,
+    console,
+    emit_json,
+    endpoint_dict,
+    err_console,
+    fail,
+    message_dict,
+    pool_line,
+    replicas_ready,
+    table,
+)
 from ._pack import check_block, media_policy, pack_block
 from ._rpc import call, rpc_fail, stub
 
@@ -31,7 +43,13 @@ Model = Annotated[str, typer.Argument(help="Endpoint name (also its gateway rout
 @app.command()
 def start(
     model: Model,
-    base_url: Annotated[str, typer.Option(help="Where the server listens (external launcher).")] = "",
+    base_url: Annotated[list[str] | None, typer.Option(
+        help="Where the server listens (external launcher); repeat it once per replica.")] = None,
+    replicas: Annotated[int | None, typer.Option(
+        help="Servers in the pool (default 1; external: one per --base-url).")] = None,
+    routing: Annotated[str, typer.Option(
+        help=f"How engine-proxy picks a replica per request: {' | '.join(ROUTINGS)} (the block's routing; "
+             "default least-load).")] = "",
     hf_model: Annotated[str, typer.Option(help="Weights to serve, e.g. Qwen/Qwen3-VL-8B-Instruct.")] = "",
     launcher: Annotated[str, typer.Option(help="external | compose | slurm | flux | kserve.")] = "external",
     engine: Annotated[str, typer.Option(help="Engine: vllm, vllm-server, vllm-inproc, sglang, echo.")] = "",
@@ -56,14 +74,16 @@ def start(
         "--dry-run", help="Print exactly what would be submitted; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Start (or, with the external launcher, register) an endpoint.
+    """Start (or, with the external launcher, register) an endpoint: one server or a pool of replicas.
 
     The engine block comes from the use-case pack when it has the model
     ($EXAMLOPS_USECASE_DIR, or ./usecases); the flags given here override it.
+    A pool of external servers: --base-url http://a:8000 --base-url http://b:8000 --routing prefix.
     """
+    base_urls = pool_addresses(launcher, base_url or [], replicas)
     block = pack_block(model) or {}
-    overrides = {"engine": engine, "hf_model_id": hf_model, "base_url": base_url,
-                 "served_model_name": served_model_name}
+    overrides = {"engine": engine, "hf_model_id": hf_model, "base_url": base_urls[0] if base_urls else "",
+                 "served_model_name": served_model_name, "routing": routing}
     block.update({k: v for k, v in overrides.items() if v})
     if modality or max_images or media_domains:
         block["multimodal"] = media_policy(block.get("multimodal") or {}, modality, max_images, media_domains or [])
@@ -72,13 +92,16 @@ def start(
         block, served = serve_version(block, model_version)
     if block:
         check_block(block)
-    base_url = base_url or str(block.get("base_url") or "")
-    req = la.StartRequest(name=model, launcher=launcher, base_url=base_url, hf_model=hf_model,
+        for other in base_urls[1:]:  # every replica's address passes the block's base_url rule
+            check_block({**block, "base_url": other})
+    first = base_urls[0] if base_urls else str(block.get("base_url") or "")
+    req = la.StartRequest(name=model, launcher=launcher, base_url=first, hf_model=hf_model,
                           engine_block_json=orjson.dumps(block).decode() if block else "",
                           project=project, actor=Ctx.actor(), replace=replace, nodes=nodes,
                           gpus_per_node=gpus, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                           partition=partition, walltime=walltime, port=port,
-                          model_version=f"{served.name}@{served.version}" if served else "")
+                          model_version=f"{served.name}@{served.version}" if served else "",
+                          replicas=replicas or len(base_urls) or 1, base_urls=base_urls)
     plan = call("launcher", "Plan", req)
     if dry_run:
         emit_json(message_dict(plan)) if Ctx.json else print_plan(plan)
@@ -94,6 +117,23 @@ def start(
                   f"{ep.base_url or '(no address)'} via {ep.launcher}"
                   + (f"{' job ' + ep.job_id if ep.job_id else ''} — {escape(ep.state_reason)}"
                      if ep.state_reason else ""), highlight=False)
+    if len(ep.replicas) > 1:
+        console.print(f"{replicas_ready(ep)} replicas ready: {pool_line(ep)}", highlight=False)
+
+
+def pool_addresses(launcher: str, base_urls: list[str], replicas: int | None) -> list[str]:
+    """The --base-url list, checked against --replicas: the external launcher takes one per replica."""
+    if replicas is not None and replicas < 1:
+        fail(f"--replicas {replicas}: a pool has at least 1 replica")
+    if len(set(base_urls)) != len(base_urls):
+        fail("--base-url: each replica needs its own address (an address is given twice)")
+    if launcher == "external" and replicas is not None and replicas != max(len(base_urls), 1):
+        fail(f"--replicas {replicas} with {len(base_urls)} --base-url: the external launcher registers "
+             "one replica per --base-url (give one --base-url per replica)")
+    if launcher != "external" and len(base_urls) > 1:
+        fail(f"--base-url is given {len(base_urls)} times: only the external launcher takes one per replica "
+             f"(launcher {launcher!r} starts the servers; use --replicas N)")
+    return base_urls
 
 
 def serve_version(block: dict[str, Any], ref: str) -> tuple[dict[str, Any], reg.ModelVersion]:
@@ -140,7 +180,7 @@ def list_(
     project: Annotated[str, typer.Option(help="Only this project.")] = "",
     state: Annotated[list[str] | None, typer.Option(help="Only these states (repeatable).")] = None,
 ) -> None:
-    """Registered endpoints."""
+    """Registered endpoints; `replicas` is ready/total (READY and not draining, of the pool)."""
     try:
         states: list[Any] = [parse_state(s) for s in state or []]
     except ValueError as exc:
@@ -149,8 +189,8 @@ def list_(
     if Ctx.json:
         emit_json([endpoint_dict(e) for e in resp.endpoints])
         return
-    table("Endpoints", ["name", "state", "engine", "launcher", "base_url", "project", "job"],
-          [[e.name, state_name(e.state), e.engine, e.launcher, e.base_url, e.project, e.job_id]
+    table("Endpoints", ["name", "state", "replicas", "engine", "launcher", "base_url", "project", "job"],
+          [[e.name, state_name(e.state), replicas_ready(e), e.engine, e.launcher, e.base_url, e.project, e.job_id]
            for e in resp.endpoints])
 
 
@@ -165,23 +205,6 @@ def health(model: Model) -> None:
         mark = "[green]ready[/]" if resp.ready else "[red]not ready[/]"
         console.print(f"{model}: {mark} ({state_name(resp.endpoint.state)}) — {escape(resp.detail)}", highlight=False)
     raise SystemExit(0 if resp.ready else 1)
-
-
-@app.command()
-def status(model: Model) -> None:
-    """Registry record, the substrate's view (job or container state) and live vLLM metrics."""
-    resp = call("launcher", "Status", la.StatusRequest(name=model), timeout=max(Ctx.settings().rpc_timeout_s, 60))
-    if Ctx.json:
-        emit_json({"endpoint": endpoint_dict(resp.endpoint), "substrate": dict(resp.substrate),
-                   "metrics": dict(resp.metrics)})
-        return
-    ep = endpoint_dict(resp.endpoint)
-    table(f"Endpoint {model}", ["field", "value"], [[k, v] for k, v in ep.items() if k != "engine_block"])
-    if resp.substrate:
-        table("Substrate", ["field", "value"], sorted(resp.substrate.items()))
-    if resp.metrics:
-        table("vLLM metrics (live, from /metrics)", ["metric", "value"],
-              [[k, f"{v:.4g}"] for k, v in sorted(resp.metrics.items())])
 
 
 @app.command()
