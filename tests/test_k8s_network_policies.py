@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 
 from examlops.svc import DEFAULT_PORTS
-from examlops_testsupport.deploy import GRPC_SERVICES, SERVICES, kustomized, objects
+from examlops_testsupport.deploy import GRPC_SERVICES, SERVICES, kustomized, objects, pod_labels, selects
 
 #: part -> the app names allowed to connect to its main port (besides operator pods); None: anyone.
 CALLERS: dict[str, set[str] | None] = {
@@ -28,15 +28,6 @@ TOKENS_SECRET = "examlops-internal-tokens"
 def rendered() -> list[dict[str, Any]]:
     return [json.loads(json.dumps(d)) for d in kustomized()]  # a copy each module may change
 
-
-
-def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
-    return workload["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]
-
-
-def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    assert not selector.get("matchExpressions"), "keep selectors to matchLabels"
-    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
 
 def container_port(workload: dict[str, Any], name: str) -> int:

@@ -64,3 +64,14 @@ def kustomized() -> tuple[dict[str, Any], ...]:
 def objects(rendered: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     """The rendered objects of one kind, by name."""
     return {d["metadata"]["name"]: d for d in rendered if d["kind"] == kind}
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    """The labels of a Deployment's or StatefulSet's pods."""
+    return workload["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels only, as k8s/ writes them) picks pods with `labels`."""
+    assert not selector.get("matchExpressions"), "keep selectors to matchLabels"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
