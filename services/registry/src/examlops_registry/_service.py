@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeAlias
 
 import grpc
@@ -13,9 +13,11 @@ from examlops.registry.v1 import registry_pb2 as pb
 from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 from examlops.svc import abort, current_caller, state_name
 
+from ._checks import Refused, answer
 from ._hpc_jobs import HpcJobServicerMixin, HpcJobStore
 from ._judges import JudgesServicerMixin, JudgeStore
 from ._prices import PricesServicerMixin, PriceStore
+from ._replicas import InvalidEndpoint, add_replica, apply_update, checked_base_url, normalise_replicas, remove_replica
 from ._store import Conflict, NotFound, RegistryStore
 from ._trust import TrustServicerMixin, TrustStore
 from ._versions import VersionsServicerMixin, VersionStore
@@ -32,12 +34,6 @@ def audited(claimed: str, action: str) -> tuple[str, str, str]:
     """(actor, action, on_behalf_of) of the current call: the credential's name, and what a service claims."""
     actor, on_behalf_of = current_caller().attribute(claimed)
     return actor, action, on_behalf_of
-
-
-class InvalidEndpoint(ValueError):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 def normalise_registration(ep: pb.Endpoint) -> pb.Endpoint:
@@ -69,12 +65,11 @@ def normalise_registration(ep: pb.Endpoint) -> pb.Endpoint:
     out.launcher = out.launcher or "external"
     if out.launcher not in LAUNCHERS:
         raise InvalidEndpoint("launcher", f"unknown launcher {out.launcher!r}; accepted: {', '.join(LAUNCHERS)}")
-    if out.base_url and not re.match(r"^https?://[^\s/]+", out.base_url):
-        raise InvalidEndpoint("base_url", f"base_url {out.base_url!r} must be an http(s) URL like http://host:8000")
-    out.base_url = out.base_url.rstrip("/")
+    out.base_url = checked_base_url(out.base_url, "base_url")
     out.served_model_name = out.served_model_name or str(block.get("served_model_name") or out.name)
     if out.state == pb.ENDPOINT_STATE_UNSPECIFIED:
         out.state = pb.ENDPOINT_STATE_PENDING
+    normalise_replicas(out)
     return out
 
 
@@ -92,7 +87,7 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, VersionsService
         try:
             ep = normalise_registration(request.endpoint)
         except InvalidEndpoint as exc:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_endpoint", str(exc), exc.field)
+            await abort(context, exc.code, exc.reason, str(exc), exc.field)
 
         def change(before: pb.Endpoint | None) -> pb.Endpoint:
             if before is not None and before.state in LIVE_STATES and not request.replace:
@@ -122,34 +117,39 @@ class RegistryServicer(HpcJobServicerMixin, PricesServicerMixin, VersionsService
         return pb.ListEndpointsResponse(endpoints=eps)
 
     async def UpdateEndpoint(self, request: pb.UpdateEndpointRequest, context: Ctx) -> pb.Endpoint:
-        if request.HasField("base_url") and request.base_url and not re.match(r"^https?://[^\s/]+", request.base_url):
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_endpoint",
-                        f"base_url {request.base_url!r} must be an http(s) URL", "base_url")
         if request.HasField("state") and request.state == pb.ENDPOINT_STATE_UNSPECIFIED:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_endpoint",
                         "state must be set to a real state", "state")
 
-        def change(before: pb.Endpoint | None) -> pb.Endpoint:
+        def change(after: pb.Endpoint) -> None:
+            apply_update(after, request)
+
+        return await answer(context, self._change(request.name, change, request.actor, request.action or "update"))
+
+    async def AddReplica(self, request: pb.AddReplicaRequest, context: Ctx) -> pb.Endpoint:
+        def change(after: pb.Endpoint) -> None:
+            add_replica(after, request.replica)
+
+        return await answer(context, self._change(request.name, change, request.actor, "replica.add"))
+
+    async def RemoveReplica(self, request: pb.RemoveReplicaRequest, context: Ctx) -> pb.Endpoint:
+        def change(after: pb.Endpoint) -> None:
+            remove_replica(after, request.replica)
+
+        return await answer(context, self._change(request.name, change, request.actor, "replica.remove"))
+
+    async def _change(self, name: str, change: Callable[[pb.Endpoint], None], actor: str,
+                      action: str) -> pb.Endpoint:
+        """Apply `change` to a copy of endpoint `name` through the store (audited, watched)."""
+        def mutation(before: pb.Endpoint | None) -> pb.Endpoint:
             if before is None:
-                raise NotFound(request.name)
+                raise Refused(grpc.StatusCode.NOT_FOUND, "endpoint_not_found", f"no endpoint named {name!r}", "name")
             after = pb.Endpoint()
             after.CopyFrom(before)
-            if request.HasField("state"):
-                after.state = request.state
-            if request.HasField("base_url"):
-                after.base_url = request.base_url.rstrip("/")
-            if request.HasField("job_id"):
-                after.job_id = request.job_id
-            if request.HasField("state_reason"):
-                after.state_reason = request.state_reason
+            change(after)
             return after
 
-        try:
-            after = await self.store.mutate(request.name, change,
-                                            *audited(request.actor, request.action or "update"))
-        except NotFound:
-            await abort(context, grpc.StatusCode.NOT_FOUND, "endpoint_not_found",
-                        f"no endpoint named {request.name!r}", "name")
+        after = await self.store.mutate(name, mutation, *audited(actor, action))
         assert after is not None
         return after
 

@@ -24,6 +24,7 @@ from ._grpc import insecure_channel
 log = logging.getLogger(__name__)
 
 Endpoint = pb.Endpoint
+Replica = pb.Replica
 S = pb.EndpointState
 
 #: Engines that answer without a server address.
@@ -46,6 +47,24 @@ def parse_state(name: str) -> int:
     return int(pb.EndpointState.Value(key))
 
 
+def replica_routable(replica: Replica) -> bool:
+    """A replica takes new requests: it has an address, is not draining, and is not stopped or disabled."""
+    return bool(replica.base_url) and not replica.draining and replica.state not in UNROUTED_STATES
+
+
+def routable_replicas(ep: Endpoint) -> list[Replica]:
+    """The replicas a new request to `ep` may go to, in pool order; none when the endpoint is unrouted.
+
+    A record with no replicas at all (stored before pools existed) is its own single replica r0.
+    """
+    if ep.state in UNROUTED_STATES:
+        return []
+    if not ep.replicas:
+        legacy = Replica(id="r0", base_url=ep.base_url, state=ep.state, job_id=ep.job_id)
+        return [legacy] if replica_routable(legacy) else []
+    return [r for r in ep.replicas if replica_routable(r)]
+
+
 def unroutable_reason(ep: Endpoint) -> str | None:
     """Why an endpoint is not routed, or None when it is.
 
@@ -54,9 +73,13 @@ def unroutable_reason(ep: Endpoint) -> str | None:
     """
     if ep.state in UNROUTED_STATES:
         return f"endpoint {ep.name!r} is {state_name(ep.state)}"
-    if not ep.base_url and ep.engine not in ADDRESSLESS_ENGINES:
-        return f"endpoint {ep.name!r} has no address yet (state {state_name(ep.state)})"
-    return None
+    if ep.engine in ADDRESSLESS_ENGINES or routable_replicas(ep):
+        return None
+    if any(r.base_url for r in ep.replicas):
+        why = ", ".join(f"{r.id} {'draining' if r.draining else state_name(r.state)}"
+                        for r in ep.replicas if r.base_url)
+        return f"endpoint {ep.name!r} has no routable replica ({why})"
+    return f"endpoint {ep.name!r} has no address yet (state {state_name(ep.state)})"
 
 
 @dataclass(slots=True)
