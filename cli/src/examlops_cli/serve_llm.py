@@ -101,7 +101,8 @@ def start(
                           gpus_per_node=gpus, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                           partition=partition, walltime=walltime, port=port,
                           model_version=f"{served.name}@{served.version}" if served else "",
-                          replicas=replicas or len(base_urls) or 1, base_urls=base_urls)
+                          replicas=replicas or len(base_urls) or 1,
+                          base_urls=base_urls if launcher == "external" else [])
     plan = call("launcher", "Plan", req)
     if dry_run:
         emit_json(message_dict(plan)) if Ctx.json else print_plan(plan)
