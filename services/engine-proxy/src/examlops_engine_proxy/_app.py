@@ -39,6 +39,8 @@ async def run(settings: EngineProxySettings) -> None:
     def on_change(ep: reg.Endpoint, deleted: bool) -> None:
         if deleted:
             pool.forget(ep.name)
+        else:
+            pool.refresh(ep)
 
     token = settings.service_token.get_secret_value()
     mg_channel = insecure_channel(settings.mediaguard_addr, token)

@@ -26,6 +26,32 @@ class AllBackendsFailed(EngineError):
         super().__init__(f"all backends failed for endpoint:{endpoint}: {detail}")
 
 
+class ReplicaFailed(AllBackendsFailed):
+    """One server of a pool failed an attempt. `kind` says how: `connect` (refused, unreachable,
+    connect timeout), `timeout` (no answer in time), `status` (an HTTP error other than a refusal),
+    `read` (the connection broke while reading), `protocol` (an answer that is not the API's),
+    `engine` (an error event inside a stream). The failover loop decides what happens next."""
+
+    def __init__(self, endpoint: str, base_url: str, kind: str, detail: str, status: int = 0) -> None:
+        super().__init__(endpoint, f"{detail} ({base_url})")
+        self.base_url, self.kind, self.detail, self.status = base_url, kind, detail, status
+
+    @property
+    def retryable(self) -> bool:
+        """Worth another replica when nothing has reached the caller yet: the server, not the
+        request, is at fault."""
+        if self.kind == "status":
+            return self.status >= 500
+        return self.kind != "engine"
+
+
+class PoolFailed(AllBackendsFailed):
+    """Every replica tried failed (or the deadline ran out): the message names each one's error."""
+
+    def __init__(self, message: str) -> None:
+        EngineError.__init__(self, message)
+
+
 class EngineRejected(EngineError):
     """The engine refused the request itself (4xx): the client's request must change."""
 

@@ -1,8 +1,10 @@
-"""EngineProxy gRPC servicer: route → (media guard) → engine, streamed back."""
+"""EngineProxy gRPC servicer: route → (media guard) → a replica of the endpoint's pool (failover
+before the first chunk, _failover) → streamed back."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,17 +12,19 @@ import grpc
 import orjson
 from prometheus_client import Counter
 
-from examlops.engine import task_of
+from examlops.engine import routing_of, task_of
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
 from examlops.registry.v1 import registry_pb2 as reg
-from examlops.svc import RouteTable, abort, state_name, unroutable_reason
+from examlops.svc import RouteTable, abort, routable_replicas, state_name, unroutable_reason
 
 from ._engines import Generation
 from ._errors import EngineError, RouteNotFound, TaskMismatch
+from ._failover import Attempts, generate_over
 from ._media import guard_messages, has_media
 from ._pool import EnginePool
+from ._routing import affinity_key
 from ._settings import EngineProxySettings
 
 log = logging.getLogger(__name__)
@@ -95,8 +99,11 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
             usage_stats = usage_chunk and bool(opts.get("continuous_usage_stats"))
             gen = Generation(kind=request.kind, body=body, stream=stream, endpoint=ep.name,
                              want_usage_chunk=usage_chunk, want_usage_stats=usage_stats)
+            pool = entry.pool
+            key = affinity_key(pool.policy, request.kind, body, request.session_id) \
+                if len(pool.replicas) > 1 else None
             first = True
-            async for chunk in entry.engine.generate(gen):
+            async for chunk in generate_over(pool, gen, key, self.attempts(context)):
                 if first:
                     chunk.media_parts_dropped = dropped
                     chunk.warnings.extend(notes)
@@ -109,9 +116,27 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
         finally:
             GENERATIONS.labels(request.endpoint, outcome).inc()
 
+    def attempts(self, context: grpc.aio.ServicerContext) -> Attempts:
+        s = self.settings
+        remaining = context.time_remaining()
+        return Attempts(max_attempts=s.max_attempts, eject_after=s.eject_after_failures,
+                        first_byte_timeout_s=s.first_byte_timeout_s,
+                        deadline=time.monotonic() + remaining if remaining is not None else None)
+
     async def ListRoutes(self, request: pb.ListRoutesRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListRoutesResponse:
+        eps = sorted(self.table.endpoints.values(), key=lambda e: e.name)
         return pb.ListRoutesResponse(routes=[
             pb.Route(name=ep.name, engine=ep.engine, base_url=ep.base_url, state=state_name(ep.state),
-                     routable=unroutable_reason(ep) is None)
-            for ep in sorted(self.table.endpoints.values(), key=lambda e: e.name)])
+                     routable=unroutable_reason(ep) is None, routing=routing_of(ep.engine_block_json),
+                     replicas=self.replica_stats(ep))
+            for ep in eps if not request.name or ep.name == request.name])
+
+    def replica_stats(self, ep: reg.Endpoint) -> list[pb.ReplicaStats]:
+        """What this proxy knows of each replica; the registry's list while no request used the pool."""
+        entry = self.pool.entry(ep.name)
+        if entry is not None:
+            return entry.pool.stats()
+        listed = list(ep.replicas) or routable_replicas(ep)
+        return [pb.ReplicaStats(id=r.id, base_url=r.base_url, healthy=True, draining=r.draining, metrics_age_ms=-1)
+                for r in listed]

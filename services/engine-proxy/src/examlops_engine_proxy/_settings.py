@@ -23,3 +23,14 @@ class EngineProxySettings(GrpcServiceSettings):
                                   description="Longest silence from an engine before the call fails.")
     max_connections_per_endpoint: int = Field(default=256, ge=1,
                                               description="HTTP connection pool size per endpoint.")
+    replica_scrape_interval_s: float = Field(
+        default=0.5, gt=0, le=1.0,
+        description="How often each replica of a pool of two or more is read for its load (/metrics).")
+    max_attempts: int = Field(default=3, ge=1, description="Replicas one request may try (never beyond the pool).")
+    eject_after_failures: int = Field(
+        default=2, ge=1, description="Failed attempts in a row (5xx, timeout, broken read) that eject a replica; "
+                                     "a refused or timed-out connect ejects at once.")
+    first_byte_timeout_s: float = Field(
+        default=0.0, ge=0, description="Longest wait for a replica's first chunk before the attempt moves to "
+                                       "another replica (0: only the call's deadline; a non-streamed answer's "
+                                       "first chunk is the whole answer).")

@@ -1,4 +1,4 @@
-"""vllm-server engine: a client of `vllm serve`'s OpenAI API (one pooled aiohttp session per endpoint).
+"""vllm-server engine: a client of `vllm serve`'s OpenAI API (one pooled aiohttp session per replica).
 
 Also serves any OpenAI-compatible server (SGLang's subclass adds its own parameters). Stream
 chunks are forwarded as the raw bytes the server sent; each is parsed once, to capture usage.
@@ -22,10 +22,27 @@ import orjson
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
-from .._errors import AllBackendsFailed, EngineRejected
+from .._errors import EngineRejected, ReplicaFailed
 from ._base import Generation
 
-_NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+def net_failure(exc: BaseException) -> tuple[str, str]:
+    """(kind, short description) of a network error: `connect` when no connection was made (a
+    refused or timed-out connect means nothing answers there), else `timeout` or `read`."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        os_error = exc.os_error
+        if isinstance(os_error, ConnectionRefusedError):
+            return "connect", "connection refused"
+        return "connect", f"cannot connect ({os_error.strerror or type(os_error).__name__})"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "connect", "connect timed out"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout", "timed out waiting for the server"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "read", "server disconnected"
+    return "read", f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
 def _usage_pb(usage: Any) -> pb.Usage | None:
@@ -106,8 +123,8 @@ class VllmServerEngine:
         url = self.base_url + gen.path
         try:
             response = await self.session.post(url, data=orjson.dumps(self.prepare(gen)), headers=self.headers)
-        except _NET_ERRORS as exc:
-            raise AllBackendsFailed(self.endpoint, f"{type(exc).__name__} calling {self.base_url}: {exc}") from None
+        except NET_ERRORS as exc:
+            raise self.failed(*net_failure(exc)) from None
         try:
             if response.status >= 400:
                 self._raise_for(response.status, await response.read())
@@ -116,13 +133,14 @@ class VllmServerEngine:
                 try:
                     usage = _usage_pb(orjson.loads(raw).get("usage"))
                 except (orjson.JSONDecodeError, AttributeError):
-                    raise AllBackendsFailed(self.endpoint, "server answered with invalid JSON") from None
+                    raise self.failed("protocol", "server answered with invalid JSON") from None
                 yield pb.GenerateChunk(data=raw, final=True, usage=usage)
                 return
             async for chunk in self._stream(response, gen):
                 yield chunk
-        except _NET_ERRORS as exc:
-            raise AllBackendsFailed(self.endpoint, f"{type(exc).__name__} while reading the answer: {exc}") from None
+        except NET_ERRORS as exc:
+            kind, detail = net_failure(exc)
+            raise self.failed(kind, f"{detail} while reading the answer") from None
         finally:
             response.release()
 
@@ -141,9 +159,9 @@ class VllmServerEngine:
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
-                raise AllBackendsFailed(self.endpoint, f"invalid stream chunk {payload[:200]!r}") from None
+                raise self.failed("protocol", f"invalid stream chunk {payload[:200]!r}") from None
             if isinstance(obj, dict) and obj.get("error"):
-                raise AllBackendsFailed(self.endpoint, f"engine error mid-stream: {_engine_message(payload)}")
+                raise self.failed("engine", f"engine error mid-stream: {_engine_message(payload)}")
             if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
                 choices = obj.get("choices")
                 if not choices:  # the final usage chunk: the whole call's usage
@@ -162,7 +180,16 @@ class VllmServerEngine:
         message = _engine_message(raw)
         if status in (400, 404, 413, 422):
             raise EngineRejected(f"endpoint:{self.endpoint} refused the request ({status}): {message}")
-        raise AllBackendsFailed(self.endpoint, f"server answered {status}: {message}")
+        raise self.failed("status", f"answered {status}: {message}", status)
+
+    def failed(self, kind: str, detail: str, status: int = 0) -> ReplicaFailed:
+        return ReplicaFailed(self.endpoint, self.base_url, kind, detail, status)
+
+    async def get(self, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """GET a server path (/metrics, /health) on this engine's session: (status, body)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self.session.get(self.base_url + path, timeout=timeout, headers=self.headers) as response:
+            return response.status, await response.read()
 
     async def aclose(self) -> None:
         if self._session is not None:
