@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import orjson
 from prometheus_client import Counter, Histogram
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -40,6 +41,8 @@ LATENCY = Histogram("examlops_gateway_request_seconds", "Time to the response he
 MEDIA_HEADER = "x-examlops-media-parts-dropped"
 WARNING_HEADER = "x-examlops-warning"
 CLIENT_GONE = "499"
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID = 256
 
 
 #: an endpoint's task (generate, embed) by its engine block JSON: parsed once per block, not per call
@@ -51,6 +54,20 @@ _WRONG_TASK = {
     "generate": "The model '{model}' is an embedding route (task embed): call /v1/embeddings; chat and "
                 "completions need a route whose engine block has task: generate",
 }
+
+
+def session_id_of(request: Request) -> str:
+    """The client's x-session-id header, which engine-proxy's session routing keys on ('' when
+    absent): one header of at most MAX_SESSION_ID printable ASCII characters, else a 400 naming it."""
+    values = request.headers.getlist(SESSION_HEADER)
+    if not values:
+        return ""
+    value = values[0]
+    if len(values) == 1 and len(value) <= MAX_SESSION_ID and value.isascii() and value.isprintable():
+        return value
+    got = f"{len(values)} headers" if len(values) > 1 else f"{len(value)} characters"
+    raise OpenAIError(400, f"the {SESSION_HEADER} header must be one value of at most {MAX_SESSION_ID} printable "
+                           f"ASCII characters (got {got})", code="invalid_session_id", param=SESSION_HEADER)
 
 
 async def route(routes: RouteTable, ticket: Ticket, task: str = "generate") -> None:
@@ -74,13 +91,15 @@ async def route(routes: RouteTable, ticket: Ticket, task: str = "generate") -> N
 
 
 async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: CheckedStream | None = None,
-                   guard: Guard | None = None, tap: StreamTap | None = None) -> Response:
+                   guard: Guard | None = None, tap: StreamTap | None = None, session_id: str = "") -> Response:
     """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves).
     `checked`: a stream's structured-output check (_structured.py); `guard`: the call's output
     guardrail (guardrails/), which rewrites or blocks the engine's chunks as they are read; `tap`:
-    the response cache's copy of a stream's chunks, told when the stream ended whole (cache/)."""
+    the response cache's copy of a stream's chunks, told when the stream ended whole (cache/);
+    `session_id`: the client's x-session-id (session_id_of), for session routing."""
     model = ticket.model
-    request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body)  # type: ignore[arg-type]
+    request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body,  # type: ignore[arg-type]
+                                 session_id=session_id)
     call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
     if guard is not None:
         call = GuardedCall(call, guard, ticket)  # output guardrail: the chunks are read through it

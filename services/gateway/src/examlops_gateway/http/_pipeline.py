@@ -22,7 +22,7 @@ from .._state import GatewayState
 from ..governance import Caller
 from ._body import parse_body
 from ._cache import answer_from_cache, look_up, with_cache
-from ._generate import route
+from ._generate import route, session_id_of
 from ._protocol import GenerationRequest, check_request
 from ._structured import generate_checked, structured_output
 
@@ -32,6 +32,7 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
     # auth: `caller` is the CallerDep dependency, resolved by FastAPI before this runs
     started = time.perf_counter()
     await state.key_check.check(caller)                                          # auth: before the body
+    session_id = session_id_of(request)                                          # parse: x-session-id
     s = state.settings
     raw, req = await parse_body(request, s.max_body_bytes, schema,               # parse
                                 max_messages=s.max_messages, max_parts=s.max_parts_per_message)
@@ -44,5 +45,5 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
     if cache is not None and cache.answer is not None:
         return await answer_from_cache(state, cache, ticket, req, guard, shape)  # ... settled at no cost
     response = await generate_checked(state, kind, ticket, req, shape, guard,    # generate → check → settle
-                                      cache.tap() if cache else None)
+                                      cache.tap() if cache else None, session_id=session_id)
     return with_cache(response, cache)                                           # cache: keep a whole answer

@@ -69,19 +69,20 @@ class CheckedStream:
 
 async def generate_checked(state: GatewayState, kind: int, ticket: Ticket, req: GenerationRequest,
                            shape: StructuredOutput | None, guard: Guard | None = None,
-                           tap: StreamTap | None = None) -> Response:
+                           tap: StreamTap | None = None, session_id: str = "") -> Response:
     """generate, and with a contract, its check. An invalid whole answer settles its own attempt
     (STATUS_INVALID) and is tried again on the same route, with the body the engine got, through a
     new admission (budgets and rate limits hold for every attempt), up to `shape.retries` times."""
     if shape is None:
-        return await generate(state, kind, ticket, guard=guard, tap=tap)
+        return await generate(state, kind, ticket, guard=guard, tap=tap, session_id=session_id)
     if ticket.stream:
-        stream = await generate(state, kind, ticket, CheckedStream(shape.stream_check()), guard=guard, tap=tap)
+        stream = await generate(state, kind, ticket, CheckedStream(shape.stream_check()), guard=guard, tap=tap,
+                                session_id=session_id)
         stream.headers[VERDICT_HEADER] = "deferred"  # the verdict is the stream's last event
         return stream
     attempt, why_no_retry = 0, ""
     while True:
-        answer = await generate(state, kind, ticket, guard=guard)
+        answer = await generate(state, kind, ticket, guard=guard, session_id=session_id)
         assert isinstance(answer, _SettledAnswer)
         failure = shape.check_answer(bytes(answer.body))
         if failure is None:
