@@ -60,6 +60,10 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+MAX_CONNECTION_AGE_MS = 60_000
+MAX_CONNECTION_AGE_GRACE_MS = 900_000
+
+
 def build_grpc_server(
     host: str,
     port: int,
@@ -76,6 +80,10 @@ def build_grpc_server(
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        # Clients reconnect every minute (in-flight calls finish first, a generation's read timeout
+        # is 600 s): behind a Kubernetes Service, pods added by a scale-out get calls within a minute.
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
     ])
     register(server)
     health_servicer = health.aio.HealthServicer()
