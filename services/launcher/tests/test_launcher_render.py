@@ -200,6 +200,7 @@ def crd_validator(version: str) -> jsonschema.Draft7Validator:
 @pytest.mark.parametrize(("model", "fields"), [
     ("qwen-vl", {"nodes": 1, "gpus_per_node": 2}),
     ("llama-8b", {"nodes": 2, "gpus_per_node": 4, "tensor_parallel_size": 4, "pipeline_parallel_size": 2}),
+    ("qwen-vl", {"nodes": 1, "gpus_per_node": 1, "replicas": 3}),
 ])
 def test_kserve_manifest_validates_against_the_crd(version: str, model: str, fields: dict[str, Any]) -> None:
     settings = LauncherSettings(kserve_api_version=f"serving.kserve.io/{version}", kserve_namespace="llm")
@@ -208,6 +209,7 @@ def test_kserve_manifest_validates_against_the_crd(version: str, model: str, fie
     errors = sorted(crd_validator(version).iter_errors(manifest), key=lambda e: list(e.path))
     assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors[:10])
     spec = manifest["spec"]
+    assert spec["replicas"] == fields.get("replicas", 1)
     main = spec["template"]["containers"][0]
     assert main["command"] == ["vllm", "serve", block(model)["hf_model_id"]]
     assert main["args"] == list(p.argv[3:])
@@ -307,3 +309,53 @@ def test_compose_override_merges_into_the_stack_compose_file(tmp_path: Path) -> 
     assert service["environment"]["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
     assert dict(p.env)["EXAMLOPS_VLLM_MODEL"] == "Qwen/Qwen3-VL-8B-Instruct"
     assert "up -d vllm" in p.commands[-1] and "--profile vllm" in p.commands[-1]
+
+
+# --- pools of replicas ------------------------------------------------------------------------
+
+def test_compose_pool_scales_the_service_with_a_host_port_per_container(tmp_path: Path) -> None:
+    p = plan("compose", model="qwen-vl", settings=LauncherSettings(vllm_work_dir=str(tmp_path)), replicas=3)
+    ((path, text),) = p.files.items()
+    Path(path).write_text(text)
+    assert "up -d --scale vllm=3 vllm" in p.commands[-1]
+    assert "http://127.0.0.1:8000, http://127.0.0.1:8001, http://127.0.0.1:8002" in p.summary
+    compose = Path(sys.executable).parent / "docker-compose"
+    env = {**os.environ, "EXAMLOPS_VLLM_MODEL": "Qwen/Qwen3-VL-8B-Instruct"}
+    out = subprocess.run([str(compose), "-f", str(ROOT / "compose.yaml"), "-f", path, "--profile", "vllm",
+                          "config", "--format", "json"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # The base file's single port is replaced (not joined) by the range: one host port per container.
+    (port,) = json.loads(out.stdout)["services"]["vllm"]["ports"]
+    assert (port["host_ip"], port["published"], port["target"]) == ("127.0.0.1", "8000-8002", 8000)
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "flux"])
+def test_hpc_pool_renders_one_job_per_replica_each_with_its_port_and_endpoint_file(launcher: str,
+                                                                                  tmp_path: Path) -> None:
+    settings = LauncherSettings(vllm_work_dir=str(tmp_path))
+    p = plan(launcher, model="qwen-vl", settings=settings, replicas=2, port=8100, gpus_per_node=2)
+    first, second = f"{tmp_path}/qwen-vl.{launcher}.sh", f"{tmp_path}/qwen-vl.r1.{launcher}.sh"
+    assert set(p.files) == {first, second} and p.script == p.files[first]
+    assert p.endpoint_file == f"{tmp_path}/qwen-vl.endpoint"
+    assert [c for c in p.commands if "write" not in c][1].endswith(second)
+    for path, port, endpoint_file in [(first, 8100, "qwen-vl.endpoint"), (second, 8101, "qwen-vl.r1.endpoint")]:
+        script = p.files[path]
+        bash_n(script, tmp_path)
+        assert f"PORT={port}" in script and f"--port {port}" in script
+        assert f"ENDPOINT_FILE={tmp_path}/{endpoint_file}" in script
+    assert "qwen-vl.r1.endpoint" in p.summary and "2 " + launcher in p.summary
+
+
+def test_external_pool_takes_one_base_url_per_replica() -> None:
+    p = plan("external", base_url="http://a:8000", base_urls=["http://a:8000", "http://b:8000"])
+    assert "http://a:8000, http://b:8000 (2 replicas)" in p.summary
+    for fields, reason in [({"base_urls": ["http://a:1", "http://b:1"], "replicas": 3}, "replicas_mismatch"),
+                           ({"base_urls": ["http://a:1", "http://a:1"]}, "duplicate_base_url"),
+                           ({"replicas": 2}, "replicas_mismatch"),
+                           ({"base_urls": ["a:1"]}, "invalid_base_url")]:
+        with pytest.raises(LaunchError) as info:
+            plan("external", **fields)
+        assert (info.value.reason, info.value.param) == (reason, "base_urls"), fields
+    with pytest.raises(LaunchError) as info:
+        plan("slurm", base_urls=["http://a:1", "http://b:1"])
+    assert info.value.reason == "base_urls_not_startable" and "replica add" in str(info.value)

@@ -72,3 +72,25 @@ async def read_metrics(client: httpx.AsyncClient, base_url: str, timeout_s: floa
         return parse_vllm_metrics(resp.text), ""
     except ValueError as exc:
         return {}, f"{base_url}/metrics is not Prometheus text: {exc}"
+
+
+#: Per-server fractions: a pool shows their mean, not their sum.
+_MEANS = ("kv_cache_usage",)
+
+
+def pool_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
+    """A pool's metrics from its replicas': counts summed, KV-cache usage averaged, TTFT weighted by requests."""
+    reporting = [m for m in per_replica if m]
+    out: dict[str, float] = {}
+    for m in reporting:
+        for key, value in m.items():
+            if key != "ttft_mean_s":
+                out[key] = out.get(key, 0.0) + value
+    for key in _MEANS:
+        having = [m[key] for m in reporting if key in m]
+        if having:
+            out[key] = sum(having) / len(having)
+    timed = [(m["ttft_mean_s"], m.get("ttft_requests", 0.0)) for m in reporting if "ttft_mean_s" in m]
+    if timed and sum(n for _, n in timed):
+        out["ttft_mean_s"] = sum(t * n for t, n in timed) / sum(n for _, n in timed)
+    return out

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from .._settings import LauncherSettings
 from .._transport import LocalTransport, SshTransport, Transport
-from ._base import Adapter, LaunchError, LaunchSpec, Prepared, Submission, SubstrateView
+from ._base import (
+    Adapter,
+    LaunchError,
+    LaunchSpec,
+    Prepared,
+    Submission,
+    SubstrateView,
+    replica_number,
+    replicas_of,
+    started_here,
+)
 from ._compose import ComposeAdapter
 from ._external import ExternalAdapter
 from ._flux import FluxAdapter
@@ -34,4 +44,5 @@ def build_adapters(settings: LauncherSettings, transport: Transport | None = Non
 
 
 __all__ = ["LAUNCHERS", "Adapter", "HpcAdapter", "LaunchError", "LaunchSpec", "Prepared", "Submission",
-           "SubstrateView", "build_adapters", "build_transport", "parse_endpoint_file", "walltime_seconds"]
+           "SubstrateView", "build_adapters", "build_transport", "parse_endpoint_file", "replica_number", "replicas_of",
+           "started_here", "walltime_seconds"]

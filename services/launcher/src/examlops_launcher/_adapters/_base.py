@@ -11,7 +11,7 @@ import json
 import os
 import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -52,6 +52,11 @@ class LaunchSpec:
     port: int
     actor: str
     model_version: str = ""          # NAME@V whose folder hf_model_id names, when serving a registered version
+    #: The replicas this start (or scale-up) brings up, by id: r0, r1, ... The number in an id picks
+    #: its own files and, on HPC, its port (port + number), so replicas sharing a node never collide.
+    replica_ids: tuple[str, ...] = ("r0",)
+    base_urls: tuple[str, ...] = ()  # external: one per replica
+    first_index: int = 0             # compose: containers of the service already running (scale-up)
 
     @property
     def tp(self) -> int:
@@ -71,10 +76,26 @@ class Prepared:
     env: dict[str, str] = field(default_factory=dict)   # non-secret environment of the substrate command
 
 
+def replica_number(replica_id: str) -> int:
+    """r3 -> 3; an id not of that form (or empty: a record from before pools) counts as 0."""
+    digits = replica_id[1:] if replica_id.startswith("r") else ""
+    return int(digits) if digits.isdigit() else 0
+
+
+def replicas_of(ep: reg.Endpoint) -> list[reg.Replica]:
+    """The pool of an endpoint; a record without replicas is its own only replica (id "")."""
+    if ep.replicas:
+        return list(ep.replicas)
+    return [reg.Replica(base_url=ep.base_url, job_id=ep.job_id, state=ep.state, state_reason=ep.state_reason,
+                        source=ep.launcher or "external")]
+
+
 @dataclass
 class Submission:
-    """What the substrate answered to a start."""
+    """What the substrate answered to the start of one replica."""
 
+    replica_id: str
+    source: str                      # external, slurm:<job>, compose:vllm#<i>, kserve:<name>
     job_id: str
     base_url: str
     state: int                       # the endpoint state to record (reg.ENDPOINT_STATE_*)
@@ -106,23 +127,34 @@ class Adapter(ABC):
         """Render exactly what `start` would submit. Pure: changes nothing anywhere."""
 
     @abstractmethod
-    async def start(self, spec: LaunchSpec, prepared: Prepared) -> Submission:
-        """Submit `prepared`; LaunchError when the substrate refuses."""
+    async def start(self, spec: LaunchSpec, prepared: Prepared) -> list[Submission]:
+        """Submit `prepared`: one Submission per replica of spec.replica_ids, in that order. When
+        the substrate refuses one, what was already started is undone and LaunchError raised."""
 
     @abstractmethod
-    async def status(self, ep: reg.Endpoint) -> SubstrateView:
-        """The substrate's view; for HPC also the address the job published, if it has."""
+    async def status(self, ep: reg.Endpoint, replica: reg.Replica) -> SubstrateView:
+        """The substrate's view of one replica; for HPC also the address its job published, if it has."""
 
     @abstractmethod
-    def stop_plan(self, ep: reg.Endpoint) -> pb.LaunchPlan:
-        """What `stop` would run."""
+    def stop_plan(self, ep: reg.Endpoint, replicas: Sequence[reg.Replica]) -> pb.LaunchPlan:
+        """What stopping these replicas (all of them: the endpoint) would run."""
 
     @abstractmethod
-    async def stop(self, ep: reg.Endpoint) -> str:
-        """Cancel the job / stop the container; returns what was done. LaunchError on refusal."""
+    async def stop(self, ep: reg.Endpoint, replica: reg.Replica) -> str:
+        """Cancel one replica's job / stop its container; returns what was done. LaunchError on refusal."""
+
+    async def stop_all(self, ep: reg.Endpoint) -> str:
+        """Stop every replica the launcher started (an external one is not ours to stop)."""
+        done = [await self.stop(ep, r) for r in replicas_of(ep) if started_here(r)]
+        return "; ".join(done) or "nothing to stop"
 
     async def close(self) -> None:
         return None
+
+
+def started_here(replica: reg.Replica) -> bool:
+    """Whether the launcher started this replica's server (and so stops it)."""
+    return replica.source != "external"
 
 
 def render(spec: LaunchSpec, *, host: str | None, port: int | None,

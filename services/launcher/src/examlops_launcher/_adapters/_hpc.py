@@ -8,10 +8,12 @@ it is the endpoint's current job, so a restarted endpoint never inherits an old 
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 import time
 from abc import abstractmethod
+from collections.abc import Sequence
 from functools import cache
 from typing import ClassVar
 
@@ -23,7 +25,20 @@ from examlops.registry.v1 import registry_pb2 as reg
 
 from .._settings import LauncherSettings
 from .._transport import CommandResult, Transport, TransportError
-from ._base import Adapter, LaunchError, LaunchSpec, Prepared, Submission, SubstrateView, redacted, render, split_env
+from ._base import (
+    Adapter,
+    LaunchError,
+    LaunchSpec,
+    Prepared,
+    Submission,
+    SubstrateView,
+    redacted,
+    render,
+    replica_number,
+    split_env,
+)
+
+log = logging.getLogger(__name__)
 
 #: vLLM needs Ray to spread one server over several nodes.
 RAY_BACKEND = ["--distributed-executor-backend", "ray"]
@@ -110,11 +125,15 @@ class HpcAdapter(Adapter):
     def work_dir(self) -> str:
         return self.settings.vllm_work_dir.rstrip("/") or "/"
 
-    def endpoint_file(self, name: str) -> str:
-        return f"{self.work_dir()}/{name}.endpoint"
+    def _suffix(self, replica_id: str) -> str:
+        # The first replica keeps the single-server names, so a pool of one is what it always was.
+        return f".{replica_id}" if replica_number(replica_id) else ""
 
-    def script_path(self, name: str) -> str:
-        return f"{self.work_dir()}/{name}.{self.scheduler}.sh"
+    def endpoint_file(self, name: str, replica_id: str = "") -> str:
+        return f"{self.work_dir()}/{name}{self._suffix(replica_id)}.endpoint"
+
+    def script_path(self, name: str, replica_id: str = "") -> str:
+        return f"{self.work_dir()}/{name}{self._suffix(replica_id)}.{self.scheduler}.sh"
 
     def log_path(self, name: str) -> str:
         return f"{self.work_dir()}/{name}-{self.log_pattern}.log"
@@ -143,42 +162,58 @@ class HpcAdapter(Adapter):
                               f"--walltime {spec.walltime!r} is not a time: use HH:MM:SS, MM or D-HH:MM:SS",
                               "walltime") from None
 
-    def plan(self, spec: LaunchSpec) -> Prepared:
-        walltime_s = self._check_resources(spec)
-        command = render(spec, host="0.0.0.0", port=spec.port)
+    def _script(self, spec: LaunchSpec, replica_id: str, walltime_s: int) -> tuple[list[str], dict[str, str], str]:
+        """(vllm argv, its environment, the job script) of one replica: its own port and endpoint file."""
+        port = spec.port + replica_number(replica_id)
+        command = render(spec, host="0.0.0.0", port=port)
         serve_args = command.argv[1:]
         if spec.nodes > 1 and "--distributed-executor-backend" not in serve_args:
             serve_args += RAY_BACKEND
         plain, secret = split_env(command.env)
         s = self.settings
+        suffix = f"-{replica_id}" if replica_number(replica_id) else ""
         script = _templates().get_template("vllm_serve.sh.j2").render(
-            scheduler=self.scheduler, name=spec.name, job_name=f"exa-serve-{spec.name}",
+            scheduler=self.scheduler, name=spec.name, job_name=f"exa-serve-{spec.name}{suffix}",
             nodes=spec.nodes, gpus_per_node=spec.gpus_per_node, partition=spec.partition,
             walltime=spec.walltime, walltime_s=walltime_s, account=s.hpc_account,
-            work_dir=self.work_dir(), endpoint_file=self.endpoint_file(spec.name),
-            log_path=self.log_path(spec.name), port=spec.port,
+            work_dir=self.work_dir(), endpoint_file=self.endpoint_file(spec.name, replica_id),
+            log_path=self.log_path(spec.name), port=port,
             env={**s.vllm_job_env, **plain}, secret_env=sorted(secret), modules=s.modules,
             runtime=s.vllm_runtime, image=s.vllm_image, sif_path=f"{self.work_dir()}/images/{sif_name(s.vllm_image)}",
             vllm_bin=s.vllm_bin, serve_args=serve_args, ray_port=s.ray_port, ray_wait_s=RAY_WAIT_S)
-        path = self.script_path(spec.name)
+        return ["vllm", *serve_args], command.env, script
+
+    def plan(self, spec: LaunchSpec) -> Prepared:
+        walltime_s = self._check_resources(spec)
+        plan = pb.LaunchPlan(launcher=self.name, transport=self.transport.describe(),
+                             endpoint_file=self.endpoint_file(spec.name, spec.replica_ids[0]))
+        secret: dict[str, str] = {}
+        for rid in spec.replica_ids:
+            argv, env, script = self._script(spec, rid, walltime_s)
+            path = self.script_path(spec.name, rid)
+            if not plan.script:
+                plan.argv.extend(argv)
+                plan.env.update(redacted(env))
+                plan.script = script
+                secret = split_env(env)[1]
+            plan.files[path] = script
+            plan.commands.extend([f"write {path} ({self.transport.describe()})", shlex.join(self.submit_argv(path))])
         gpus = f", {spec.gpus_per_node} GPU(s) per node" if spec.gpus_per_node else ""
-        plan = pb.LaunchPlan(
-            launcher=self.name, argv=["vllm", *serve_args], env=redacted(command.env), script=script,
-            commands=[f"write {path} ({self.transport.describe()})", shlex.join(self.submit_argv(path))],
-            endpoint_file=self.endpoint_file(spec.name), transport=self.transport.describe(),
-            summary=(f"submit a {self.scheduler} job serving {spec.block.hf_model_id if spec.block else ''} "
-                     f"as {spec.name!r} on {spec.nodes} node(s){gpus} (tp {spec.tp}, pp {spec.pp}"
-                     f"{', Ray across nodes' if spec.nodes > 1 else ''}); it publishes its URL in "
-                     f"{self.endpoint_file(spec.name)}"))
+        files = ", ".join(self.endpoint_file(spec.name, rid) for rid in spec.replica_ids)
+        jobs = f"{len(spec.replica_ids)} {self.scheduler} jobs (one per replica)" if len(spec.replica_ids) > 1 \
+            else f"a {self.scheduler} job"
+        plan.summary = (f"submit {jobs} serving {spec.block.hf_model_id if spec.block else ''} "
+                        f"as {spec.name!r} on {spec.nodes} node(s){gpus} (tp {spec.tp}, pp {spec.pp}"
+                        f"{', Ray across nodes' if spec.nodes > 1 else ''}); each publishes its URL in {files}")
         return Prepared(plan=plan, secret_env=secret)
 
-    async def start(self, spec: LaunchSpec, prepared: Prepared) -> Submission:
-        path = self.script_path(spec.name)
-        endpoint_file = self.endpoint_file(spec.name)
+    async def _submit(self, spec: LaunchSpec, prepared: Prepared, replica_id: str) -> Submission:
+        path = self.script_path(spec.name, replica_id)
+        endpoint_file = self.endpoint_file(spec.name, replica_id)
         try:
             # A file a previous job left must never be read as this job's address.
             await self.transport.remove_file(endpoint_file)
-            await self.transport.write_file(path, prepared.plan.script, 0o750)
+            await self.transport.write_file(path, prepared.plan.files[path], 0o750)
             result = await self.transport.run(self.submit_argv(path), env=prepared.secret_env,
                                               timeout_s=self.settings.hpc_command_timeout_s)
         except TransportError as exc:
@@ -194,53 +229,72 @@ class HpcAdapter(Adapter):
             gpus_per_node=spec.gpus_per_node, walltime=spec.walltime, work_dir=self.work_dir(),
             script_path=path, endpoint_file=endpoint_file, transport=self.transport.name,
             ssh_host=self.settings.hpc_ssh_host if ssh else "", submitted_at_ms=time.time_ns() // 1_000_000)
-        return Submission(job_id=job_id, base_url="", state=reg.ENDPOINT_STATE_PENDING, hpc_job=job,
+        return Submission(replica_id=replica_id, source=f"{self.scheduler}:{job_id}", job_id=job_id, base_url="",
+                          state=reg.ENDPOINT_STATE_PENDING, hpc_job=job,
                           reason=f"{self.scheduler} job {job_id} submitted; waiting for it to publish {endpoint_file}")
 
-    async def read_endpoint(self, ep: reg.Endpoint) -> str:
-        text = await self.transport.read_file(self.endpoint_file(ep.name))
-        return parse_endpoint_file(text, ep.job_id) if text else ""
+    async def start(self, spec: LaunchSpec, prepared: Prepared) -> list[Submission]:
+        done: list[Submission] = []
+        try:
+            for rid in spec.replica_ids:
+                done.append(await self._submit(spec, prepared, rid))
+        except LaunchError:
+            # All or nothing: the jobs already submitted for this start are cancelled.
+            for sub in done:
+                try:
+                    await self.stop(reg.Endpoint(name=spec.name), reg.Replica(id=sub.replica_id, job_id=sub.job_id))
+                except LaunchError as undo:
+                    log.error("job %s of %s is orphaned: %s", sub.job_id, spec.name, undo)
+            raise
+        return done
 
-    async def status(self, ep: reg.Endpoint) -> SubstrateView:
-        fields = {"scheduler": self.scheduler, "job_id": ep.job_id, "transport": self.transport.describe(),
-                  "endpoint_file": self.endpoint_file(ep.name)}
-        if not ep.job_id:
+    async def read_endpoint(self, ep: reg.Endpoint, replica: reg.Replica) -> str:
+        text = await self.transport.read_file(self.endpoint_file(ep.name, replica.id))
+        return parse_endpoint_file(text, replica.job_id) if text else ""
+
+    async def status(self, ep: reg.Endpoint, replica: reg.Replica) -> SubstrateView:
+        fields = {"scheduler": self.scheduler, "job_id": replica.job_id, "transport": self.transport.describe(),
+                  "endpoint_file": self.endpoint_file(ep.name, replica.id)}
+        if not replica.job_id:
             return SubstrateView(fields=fields, alive=False, state="NONE", detail="no job on record")
         try:
-            state, more = await self.job_state(ep.job_id)
-            url = "" if ep.base_url else await self.read_endpoint(ep)
+            state, more = await self.job_state(replica.job_id)
+            url = "" if replica.base_url else await self.read_endpoint(ep, replica)
         except TransportError as exc:
             return SubstrateView(fields={**fields, "error": str(exc)}, detail=str(exc))
         fields.update(more)
         fields["job_state"] = state
         alive = state not in self.terminal_states
-        detail = f"{self.scheduler} job {ep.job_id} is {state}"
+        detail = f"{self.scheduler} job {replica.job_id} is {state}"
         if more.get("reason") and more["reason"] not in ("None", "(null)"):
             detail += f" ({more['reason']})"
         return SubstrateView(fields=fields, alive=alive, state=state, base_url=url, detail=detail)
 
-    def stop_plan(self, ep: reg.Endpoint) -> pb.LaunchPlan:
-        commands = [shlex.join(self.cancel_argv(ep.job_id))] if ep.job_id else []
-        commands.append(f"remove {self.endpoint_file(ep.name)} ({self.transport.describe()})")
+    def stop_plan(self, ep: reg.Endpoint, replicas: Sequence[reg.Replica]) -> pb.LaunchPlan:
+        commands: list[str] = []
+        for r in replicas:
+            if r.job_id:
+                commands.append(shlex.join(self.cancel_argv(r.job_id)))
+            commands.append(f"remove {self.endpoint_file(ep.name, r.id)} ({self.transport.describe()})")
+        jobs = ", ".join(r.job_id for r in replicas if r.job_id) or "(none)"
         return pb.LaunchPlan(launcher=self.name, commands=commands, transport=self.transport.describe(),
-                             endpoint_file=self.endpoint_file(ep.name), summary=(
-                                 f"cancel {self.scheduler} job {ep.job_id or '(none)'} of endpoint {ep.name!r} "
-                                 "and mark it STOPPED"))
+                             endpoint_file=self.endpoint_file(ep.name, replicas[0].id if replicas else ""),
+                             summary=f"cancel {self.scheduler} job {jobs} of endpoint {ep.name!r} and mark it STOPPED")
 
-    async def stop(self, ep: reg.Endpoint) -> str:
+    async def stop(self, ep: reg.Endpoint, replica: reg.Replica) -> str:
         done = "no job to cancel"
         try:
-            if ep.job_id:
-                result = await self.transport.run(self.cancel_argv(ep.job_id),
+            if replica.job_id:
+                result = await self.transport.run(self.cancel_argv(replica.job_id),
                                                   timeout_s=self.settings.hpc_command_timeout_s)
                 if result.ok:
-                    done = f"job {ep.job_id} cancelled ({result.argv[0]})"
+                    done = f"job {replica.job_id} cancelled ({result.argv[0]})"
                 elif self.already_gone(result):
-                    done = f"job {ep.job_id} had already ended"
+                    done = f"job {replica.job_id} had already ended"
                 else:
                     raise LaunchError(grpc.StatusCode.FAILED_PRECONDITION, "cancel_refused",
-                                      f"{result.argv[0]} {ep.job_id} failed: {result.error_line()}", "job_id")
-            await self.transport.remove_file(self.endpoint_file(ep.name))
+                                      f"{result.argv[0]} {replica.job_id} failed: {result.error_line()}", "job_id")
+            await self.transport.remove_file(self.endpoint_file(ep.name, replica.id))
         except TransportError as exc:
             raise LaunchError(grpc.StatusCode.UNAVAILABLE, "hpc_unreachable", str(exc), "transport") from None
         return done

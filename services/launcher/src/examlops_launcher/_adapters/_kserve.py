@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import yaml
 
 from examlops.launcher.v1 import launcher_pb2 as pb
 from examlops.registry.v1 import registry_pb2 as reg
@@ -108,7 +110,7 @@ class KServeAdapter(Adapter):
             metadata["namespace"] = self.settings.kserve_namespace
         body: dict[str, Any] = {
             "model": {"uri": self.model_uri(spec), "name": block.served_model_name or spec.name},
-            "replicas": 1,
+            "replicas": len(spec.replica_ids),
             "parallelism": {"tensor": spec.tp, "pipeline": spec.pp},
             "template": _pod([main]),
         }
@@ -136,7 +138,8 @@ class KServeAdapter(Adapter):
             env=redacted({e["name"]: e.get("value", "***") for e in main["env"]}),
             commands=[f"write {path}", f"{self.settings.kubectl} apply --dry-run=server -f {path}  "
                       "(only when a cluster answers; the launcher never applies)"],
-            summary=(f"emit the LLMInferenceService {spec.name!r} ({spec.nodes} node(s), tp {spec.tp}, "
+            summary=(f"emit the LLMInferenceService {spec.name!r} ({len(spec.replica_ids)} replica(s) of "
+                     f"{spec.nodes} node(s), tp {spec.tp}, "
                      f"pp {spec.pp}) to {path}; it is NOT applied: kubectl apply -f {path}")))
 
     async def _server_dry_run(self, path: str) -> str:
@@ -151,28 +154,59 @@ class KServeAdapter(Adapter):
                               f"the cluster rejects the LLMInferenceService: {result.error_line()}", "manifest")
         return "accepted by kubectl apply --dry-run=server"
 
-    async def start(self, spec: LaunchSpec, prepared: Prepared) -> Submission:
+    async def write(self, spec: LaunchSpec, prepared: Prepared) -> str:
+        """Write the manifest and have a cluster check it when one answers; what was checked."""
         path = self.manifest_path(spec.name)
+        await self.write_text(path, prepared.plan.manifest)
+        return f"manifest {path} {await self._server_dry_run(path)}"
+
+    async def start(self, spec: LaunchSpec, prepared: Prepared) -> list[Submission]:
+        # KServe spreads spec.replicas pods behind one service URL: one replica record for the URL.
+        checked = await self.write(spec, prepared)
+        live = self.settings.kserve_live_apply
+        path = self.manifest_path(spec.name)
+        return [Submission(
+            replica_id=spec.replica_ids[0], source=f"kserve:{spec.name}", job_id=f"llminferenceservice/{spec.name}",
+            base_url="", state=reg.ENDPOINT_STATE_STARTING if live else reg.ENDPOINT_STATE_PENDING,
+            reason=f"{checked}; never applied by the launcher: kubectl apply -f {path}")]
+
+    async def rescale(self, name: str, replicas: int, write: bool) -> pb.LaunchPlan:
+        """The emitted manifest with spec.replicas changed (written unless a dry run); never applied."""
+        path = self.manifest_path(name)
         try:
-            await self.local.write_file(path, prepared.plan.manifest)
+            manifest = yaml.safe_load(await self.local.read_file(path) or "null")
+        except (TransportError, yaml.YAMLError) as exc:
+            raise LaunchError(grpc.StatusCode.FAILED_PRECONDITION, "manifest_unreadable", str(exc),
+                              "manifest") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("spec"), dict):
+            raise LaunchError(grpc.StatusCode.FAILED_PRECONDITION, "manifest_missing",
+                              f"no LLMInferenceService manifest at {path}: start it again with "
+                              f"exa serve llm start {name} --launcher kserve --replicas {replicas} --replace",
+                              "manifest")
+        before = manifest["spec"].get("replicas", 1)
+        manifest["spec"]["replicas"] = replicas
+        text = dump_yaml(manifest)
+        if write:
+            await self.write_text(path, text)
+        return pb.LaunchPlan(launcher=self.name, manifest=text, files={path: text}, commands=[f"write {path}"],
+                             summary=(f"spec.replicas {before} -> {replicas} in {path}; never applied by the "
+                                      f"launcher: kubectl apply -f {path}"))
+
+    async def write_text(self, path: str, text: str) -> None:
+        try:
+            await self.local.write_file(path, text)
         except TransportError as exc:
             raise LaunchError(grpc.StatusCode.FAILED_PRECONDITION, "manifest_unwritable", str(exc),
                               "manifest") from None
-        checked = await self._server_dry_run(path)
-        live = self.settings.kserve_live_apply
-        return Submission(
-            job_id=f"llminferenceservice/{spec.name}", base_url="",
-            state=reg.ENDPOINT_STATE_STARTING if live else reg.ENDPOINT_STATE_PENDING,
-            reason=f"manifest {path} {checked}; never applied by the launcher: kubectl apply -f {path}")
 
-    async def status(self, ep: reg.Endpoint) -> SubstrateView:
+    async def status(self, ep: reg.Endpoint, replica: reg.Replica) -> SubstrateView:
         return SubstrateView(fields={"manifest": self.manifest_path(ep.name), "applied_by_launcher": "never",
                                      "live_apply_setting": str(self.settings.kserve_live_apply).lower()})
 
-    def stop_plan(self, ep: reg.Endpoint) -> pb.LaunchPlan:
+    def stop_plan(self, ep: reg.Endpoint, replicas: Sequence[reg.Replica]) -> pb.LaunchPlan:
         path = self.manifest_path(ep.name)
         return pb.LaunchPlan(launcher=self.name, summary=(
             f"mark {ep.name!r} STOPPED; the launcher never applied {path}: delete it with kubectl delete -f {path}"))
 
-    async def stop(self, ep: reg.Endpoint) -> str:
+    async def stop(self, ep: reg.Endpoint, replica: reg.Replica) -> str:
         return f"stopped by operator; if you applied it: kubectl delete -f {self.manifest_path(ep.name)}"
