@@ -46,6 +46,8 @@ async def generate_over(pool: ReplicaSet, gen: Generation, key: str | None,
                         rules: Attempts) -> AsyncIterator[pb.GenerateChunk]:
     """The answer's chunks from the first replica that gives one."""
     candidates = pool.candidates()
+    if not candidates:  # every replica left the pool since the route was read
+        raise PoolFailed(f"endpoint:{pool.endpoint}: no routable replica")
     limit = min(rules.max_attempts, len(candidates))
     failed: list[tuple[Replica, str]] = []
     while True:

@@ -93,7 +93,8 @@ class ReplicaSet:
                             self.endpoint, replica.id, replica.in_flight, RETIRE_AFTER_S)
             finally:
                 self.draining.remove(replica)
-                replica.forget_series()
+                if not any(r.id == replica.id for r in self.replicas):  # a new r0 at another address keeps them
+                    replica.forget_series()
                 await replica.engine.aclose()
 
         task = asyncio.get_running_loop().create_task(retire())
