@@ -15,11 +15,11 @@ from typing import Any
 import grpc
 
 from examlops.registry.v1 import registry_pb2 as reg
-from examlops.svc import state_name
+from examlops.svc import error_reason, state_name
 
 from ._adapters import HpcAdapter, SubstrateView, replicas_of
 from ._probe import probe
-from ._registry_ops import RegistryOps
+from ._registry_ops import RPC_TIMEOUT_S, RegistryOps
 
 #: A probe that changes nothing is recorded (last_health_ms) at most this often, not on every call.
 HEALTH_REFRESH_MS = 15_000
@@ -112,6 +112,18 @@ class Reconciler(RegistryOps):
         target, why = self._judge(rep, replica.id, view, ready, detail)
         return ReplicaCheck(replica, ready, why, target, view, discovered)
 
+    async def _update_probed(self, context: grpc.aio.ServicerContext, ep: reg.Endpoint, actor: str, action: str,
+                             **fields: Any) -> reg.Endpoint:
+        """Record a probe's result, unless its replica was removed meanwhile (a drain ended): then nothing."""
+        try:
+            updated: reg.Endpoint = await self.registry.UpdateEndpoint(reg.UpdateEndpointRequest(
+                name=ep.name, actor=actor or "launcher", action=action, **fields), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if error_reason(exc)[0] == "replica_not_found":
+                return ep
+            await self._registry_refused(context, exc)
+        return updated
+
     async def _record_check(self, ep: reg.Endpoint, check: ReplicaCheck, actor: str,
                             context: grpc.aio.ServicerContext) -> reg.Endpoint:
         """Write what a check found: a discovered address, then the state when it changed."""
@@ -120,8 +132,8 @@ class Reconciler(RegistryOps):
         if check.discovered:
             state = reg.ENDPOINT_STATE_STARTING
             reason = f"job {r.job_id} published {check.discovered}" if r.job_id else f"found at {check.discovered}"
-            ep = await self._update(context, ep.name, actor, "discover", base_url=check.discovered,
-                                    state=state, state_reason=reason, **key)
+            ep = await self._update_probed(context, ep, actor, "discover", base_url=check.discovered,
+                                           state=state, state_reason=reason, **key)
             await self._record_job(ep, r.job_id, actor, check.view.state if check.view else "", check.discovered)
         if check.view is not None and check.view.state:
             await self._record_job(ep, r.job_id, actor, check.view.state)
@@ -132,7 +144,7 @@ class Reconciler(RegistryOps):
             fields: dict[str, Any] = {"state": check.target, "state_reason": check.detail, **key}
             if pooled:
                 fields["last_health_ms"] = stamp
-            ep = await self._update(context, ep.name, actor, "health", **fields)
+            ep = await self._update_probed(context, ep, actor, "health", **fields)
         return ep
 
     async def _reconcile(self, ep: reg.Endpoint, actor: str, context: grpc.aio.ServicerContext

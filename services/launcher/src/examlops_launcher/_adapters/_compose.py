@@ -4,6 +4,11 @@ The rendered argv reaches the service through a small override file (its `comman
 the base file's), and EXAMLOPS_VLLM_MODEL is set for the compose command, as the raw form
 `EXAMLOPS_VLLM_MODEL=... docker compose --profile vllm up -d vllm` does. The API key is passed
 through from the compose command's environment by name; its value is never written to a file.
+
+A pool of N is the service scaled (`up -d --scale vllm=N`): the override then replaces the base
+file's one host port with a range, container #i answering on compose_base_url's port + i - 1
+(`docker compose ps` tells the port it really got). Compose removes the highest-numbered
+container first, so only the newest compose replica can be removed on its own.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """What Slurm and Flux share: the job script, staging, the endpoint file, submit/cancel through a transport.
 
 A serving job publishes `<work_dir>/<name>.endpoint` (its head's URL, then `job=<id>`) as soon
-as its head node is known. The launcher never scrapes the scheduler for an address: it reads
+as its head node is known. A pool is one job per replica: replica rN (N > 0) has its own script,
+`<name>.rN.endpoint` and port (the start's port + N, so replicas sharing a node never collide);
+r0 keeps the single-server names. The launcher never scrapes the scheduler for an address: it reads
 that file, through the same transport it submitted with, and only trusts it when the job id in
 it is the endpoint's current job, so a restarted endpoint never inherits an old address.
 """
