@@ -20,7 +20,17 @@ from starlette.responses import Response
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
-from examlops.svc import RouteTable, configure_logging, insecure_channel, load_settings, redact, watch_routes
+from examlops.svc import (
+    RedisUnavailable,
+    RedisUrlError,
+    RouteTable,
+    configure_logging,
+    insecure_channel,
+    load_settings,
+    ping_redis,
+    redis_client,
+    watch_routes,
+)
 
 from ._health import RedisPing
 from ._health import router as health_router
@@ -42,29 +52,31 @@ from .http import (
 log = logging.getLogger(__name__)
 
 
-def redis_client(settings: GatewaySettings) -> redis.Redis:
-    """One pool per process; a call waits for a free connection rather than failing under a burst.
+def gateway_redis(settings: GatewaySettings) -> redis.Redis:
+    """One pool per process (a Redis or a Redis Cluster); a call waits for a free connection rather
+    than failing under a burst.
 
     A Redis restart leaves dead pooled connections: they are retried once connected again, briefly.
     """
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=10,
-        decode_responses=True, health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=3), retry_on_error=[redis.ConnectionError])
-    return redis.Redis.from_pool(pool)
+    return redis_client(settings.redis_url, max_connections=settings.redis_max_connections, wait_s=10,
+                        health_check_interval=30, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=3),
+                        retry_on=(redis.ConnectionError,))
 
 
 def build_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = redis_client(settings)
         try:
-            await client.ping()
-        except redis.RedisError as exc:
-            problem = redact(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}")
-            log.error("%s", problem)
+            client = gateway_redis(settings)
+        except RedisUrlError as exc:
+            log.error("%s", exc)
+            raise SystemExit(str(exc)) from None
+        try:
+            await ping_redis(client, settings.redis_url)
+        except RedisUnavailable as exc:
+            log.error("%s", exc)
             await client.aclose()
-            raise SystemExit(problem) from None
+            raise SystemExit(str(exc)) from None
         replica_id = secrets.token_hex(6)
         routes = RouteTable.empty()
         token = settings.service_token.get_secret_value()  # what engine-proxy and the registry authenticate

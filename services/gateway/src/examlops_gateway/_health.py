@@ -3,8 +3,9 @@
 - `/livez` is 200 while the process serves HTTP. It checks nothing else: restarting a gateway
   brings back neither Redis nor the registry, so a dependency outage must never fail liveness.
 - `/readyz` is 200 only when this replica can serve a virtual key: Redis answers a PING (on a
-  connection of its own, with a short timeout, the answer kept for a second so that probes cost at
-  most one PING a second), and the route table and the price table have synced from the registry.
+  Redis Cluster, every primary: virtual keys spread over all of them), on a connection of its own,
+  with a short timeout, the answer kept for a second so that probes cost at most one PING (round) a
+  second; and the route table and the price table have synced from the registry.
   A 503 names what is missing in `failing` (`redis`, `route_table`, `prices`).
 - `/healthz` is `/readyz`, kept for the tools and probes that already use it.
 """
@@ -20,7 +21,10 @@ import redis.asyncio as redis
 from fastapi import APIRouter
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException
 from starlette.responses import Response
+
+from examlops.svc import ping_all, redis_client
 
 from .http import StateDep
 
@@ -32,8 +36,9 @@ class RedisPing:
     """Does Redis answer? One PING at a time on a dedicated connection, its answer kept PING_CACHE_S."""
 
     def __init__(self, url: str) -> None:
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=PING_TIMEOUT_S, socket_timeout=PING_TIMEOUT_S,
-                                           retry=Retry(NoBackoff(), 0), single_connection_client=True)
+        self.client = redis_client(url, max_connections=1, wait_s=PING_TIMEOUT_S, retry=Retry(NoBackoff(), 0),
+                                   socket_timeout=PING_TIMEOUT_S, connect_timeout=PING_TIMEOUT_S,
+                                   decode_responses=False)
         self._lock = asyncio.Lock()
         self._ok, self._until = False, 0.0
 
@@ -41,8 +46,8 @@ class RedisPing:
         async with self._lock:  # concurrent probes wait for the one PING in flight
             if time.monotonic() >= self._until:
                 try:
-                    self._ok = bool(await asyncio.wait_for(self.client.ping(), PING_TIMEOUT_S))
-                except (redis.RedisError, OSError, TimeoutError):
+                    self._ok = await asyncio.wait_for(ping_all(self.client), PING_TIMEOUT_S)
+                except (redis.RedisError, RedisClusterException, OSError, TimeoutError):
                     self._ok = False
                 self._until = time.monotonic() + PING_CACHE_S
             return self._ok

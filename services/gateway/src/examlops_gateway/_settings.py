@@ -44,9 +44,13 @@ class GatewaySettings(ServiceSettings):
     key_check_cache_size: int = Field(default=10_000, ge=1,
                                       description="Most valid, and most invalid, keys kept by that check.")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0",
-                           description="Redis holding virtual keys, budgets, rate limits and cost records.")
+                           description="Redis holding virtual keys, budgets, rate limits and cost records: "
+                                       "redis://host:port/db, or redis+cluster://host:port[,host:port...] "
+                                       "for a Redis Cluster (rediss:// and rediss+cluster:// with TLS).")
     redis_max_connections: int = Field(default=64, ge=1,
-                                       description="Redis connections per gateway process (calls wait beyond).")
+                                       description="Redis connections per gateway process (calls wait beyond); "
+                                                   "on a Redis Cluster, concurrent commands (each node's pool "
+                                                   "holds up to 16 more, for pipelines).")
     guardrail_refresh_s: float = Field(default=0.5, gt=0,
                                        description="How often this replica checks Redis for changed guardrail "
                                                    "policies (one GET of a version counter).")

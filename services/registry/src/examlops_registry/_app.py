@@ -16,11 +16,15 @@ from examlops.registry.v1 import registry_pb2_grpc as pb_grpc
 from examlops.svc import (
     OPERATORS,
     Access,
+    RedisUnavailable,
+    RedisUrlError,
     ServerAuth,
     build_grpc_server,
     configure_logging,
     load_settings,
-    redact,
+    ping_redis,
+    redis_client,
+    redis_primaries,
     serve_until_signal,
     server_auth,
 )
@@ -45,13 +49,16 @@ ACCESS = Access({
 
 
 async def check_durability(client: redis.Redis, require_aof: bool) -> None:
-    """Registrations are acknowledged only once Redis has them in an fsynced AOF."""
+    """Registrations are acknowledged only once Redis has them in an fsynced AOF (on a cluster: every
+    primary, as the slot of {exa:reg} may move to any of them)."""
     try:
-        conf = await client.config_get("append*")
+        confs = [await client.config_get("append*", **({"target_nodes": node} if node else {}))
+                 for node in redis_primaries(client) or [None]]
     except redis.ResponseError:
         log.warning("cannot read Redis config; make sure appendonly yes, appendfsync always")
         return
-    aof, fsync = conf.get("appendonly"), conf.get("appendfsync")
+    aof = "yes" if all(c.get("appendonly") == "yes" for c in confs) else "no"
+    fsync = next((c.get("appendfsync") for c in confs if c.get("appendfsync") != "always"), "always")
     if aof != "yes":
         msg = ("Redis runs with appendonly=no: acknowledged registrations would be lost on a "
                "restart. Start Redis with --appendonly yes --appendfsync always")
@@ -72,15 +79,15 @@ def build_server(settings: RegistrySettings, client: redis.Redis,
 
 async def run(settings: RegistrySettings) -> None:
     auth = server_auth(settings, "registry", ACCESS)
-    # A Redis restart leaves dead pooled connections: retry once connected again, briefly.
-    client = redis.Redis.from_url(
-        settings.redis_url, decode_responses=True, health_check_interval=30,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    # A Redis restart leaves dead pooled connections: retry once connected again, briefly. No socket
+    # timeout: WatchEndpoints blocks in XREAD for 10 s at a time (a cluster client's default is 5 s).
     try:
-        await client.ping()
-    except redis.ConnectionError as exc:
-        raise SystemExit(redact(f"cannot reach Redis at EXAMLOPS_REDIS_URL={settings.redis_url}: {exc}")) from None
+        client = redis_client(settings.redis_url, health_check_interval=30,
+                              retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=6),
+                              retry_on=(redis.ConnectionError, redis.TimeoutError))
+        await ping_redis(client, settings.redis_url)
+    except (RedisUrlError, RedisUnavailable) as exc:
+        raise SystemExit(str(exc)) from None
     await check_durability(client, settings.require_aof)
     server, port, health = build_server(settings, client, auth)
     if settings.metrics_port:

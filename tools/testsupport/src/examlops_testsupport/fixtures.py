@@ -16,10 +16,11 @@ from pathlib import Path
 
 import grpc
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
-from examlops.svc import blocking_channel
+from examlops.svc import blocking_channel, is_cluster_url
 from examlops_devstack import (
     SERVICES,
     Proc,
@@ -33,6 +34,7 @@ from examlops_devstack import (
     wait_grpc,
     wait_http,
 )
+from examlops_testsupport.redis_cluster import RedisClusterServer
 
 #: The operator credential of the tests' stacks (what their audit events name).
 TEST_OPERATOR = "cli:tests"
@@ -88,6 +90,14 @@ class Stack:
     def env(self, name: str = "cli") -> dict[str, str]:
         return service_env(name, self.ports, self.extra_env, tokens=self.tokens)
 
+    def redis_client(self) -> redis.Redis | RedisCluster:
+        """A client of the stack's Redis (a RedisCluster when the services run on one), replies decoded."""
+        url = self.env()["EXAMLOPS_REDIS_URL"]
+        if not is_cluster_url(url):
+            return redis.Redis.from_url(url, decode_responses=True)
+        seeds = [seed.rsplit(":", 1) for seed in url.removeprefix("redis+cluster://").split(",")]
+        return RedisCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in seeds], decode_responses=True)
+
     def start(self, name: str) -> Proc:
         proc = spawn(name, service_argv(name), self.env(name), self.workdir / f"{name}.log")
         self.procs[name] = proc
@@ -137,9 +147,12 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running_stack(workdir: Path, redis_server: RedisServer, extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
+def running_stack(workdir: Path, redis_server: RedisServer | RedisClusterServer,
+                  extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """The five services on free ports, on `redis_server` (a single Redis or a Redis Cluster)."""
     ports = StackPorts(redis=redis_server.port, services={n: free_port() for n in SERVICES})
-    stack = Stack(ports, workdir, stack_tokens(workdir, TEST_OPERATOR), extra_env=extra_env or {})
+    env = {"EXAMLOPS_REDIS_URL": redis_server.url, **(extra_env or {})}
+    stack = Stack(ports, workdir, stack_tokens(workdir, TEST_OPERATOR), extra_env=env)
     try:
         for name in SERVICES:
             stack.start(name)

@@ -10,6 +10,7 @@ import pytest
 
 from examlops_devstack import Proc, free_port
 from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, start_redis
+from examlops_testsupport.redis_cluster import RedisClusterServer, start_redis_cluster
 from examlops_testsupport.slurm import SlurmCluster, SshServer, slurm_cluster, ssh_server
 from examlops_testsupport.vllm import start_minilm_vllm
 
@@ -19,6 +20,15 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server = start_redis(tmp_path_factory.mktemp("redis"))
     yield server
     server.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServer]:
+    """Three Redis Cluster masters (no replicas) on free ports; `running_stack(dir, redis_cluster)`
+    runs the services on it (EXAMLOPS_REDIS_URL=redis+cluster://...)."""
+    server = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -50,14 +50,18 @@ class Reaper:
         trim_ms = int(s.cost_retention_days * 86_400_000)
         total = 0
         cursor: Any = 0
+        # A Redis Cluster pipeline runs no Script object (it cannot load one): load it on every
+        # primary, then pipeline plain EVALSHAs, each routed to its key's node.
+        await self.r.script_load(self.reap_script.script)
         while True:
             cursor, found = await self.r.sscan(KEY_INDEX, cursor, count=BATCH)
             ids = cast(list[str], found)
             if ids:
                 async with self.r.pipeline(transaction=False) as pipe:
                     for key_id in ids:
-                        await self.reap_script(keys=redis_keys(key_id), args=[key_id, keep_ms, trim_ms, *live],
-                                               client=pipe)
+                        keys = redis_keys(key_id)
+                        pipe.execute_command("EVALSHA", self.reap_script.sha, len(keys), *keys,
+                                             key_id, keep_ms, trim_ms, *live)
                     total += sum(int(n) for n in await pipe.execute())
             if int(cursor) == 0:
                 break
