@@ -60,7 +60,7 @@ from examlops_testsupport.fixtures import Stack, running_stack, start_redis  # n
 
 BUDGET_MS = 0.1
 #: The paced phases' offered load: below what engine-proxy sustains on a shared 2-CPU machine.
-RATE = 500.0
+RATE = 300.0
 SYSTEM_PROMPTS = 8
 #: label -> (endpoint, routing, replicas); "control" is a second one-replica endpoint (on the other
 #: stub): its difference from "one replica" is the run's noise floor.

@@ -116,14 +116,14 @@ def _chat_text(messages: Any) -> str:
         parts.append("\x00")
         size += 2
         if isinstance(content, str):
-            parts.append(content)
-            size += len(content)
+            parts.append(content[:PREFIX_CHARS - size])   # a long system prompt is not copied whole
+            size += len(parts[-1])
         elif isinstance(content, list):
             for part in content:
                 if not isinstance(part, dict):
                     continue
                 text = part.get("text")
-                piece = text if isinstance(text, str) else f"\x1f{part.get('type')}\x1f"
+                piece = text[:PREFIX_CHARS - size] if isinstance(text, str) else f"\x1f{part.get('type')}\x1f"
                 parts.append(piece)
                 size += len(piece)
                 if size >= PREFIX_CHARS:
@@ -198,11 +198,18 @@ class Router:
     def _ring_pick(self, candidates: Sequence[C], key: str, now: float) -> tuple[C, str] | None:
         """Walk clockwise from the key's point; the first eligible replica whose load stays within
         the bound after taking this request wins. Stale replicas are eligible only if all are."""
-        fresh = [c for c in candidates if now - c.metrics_at <= STALE_AFTER_S and c.metrics_at > 0.0]
-        eligible: Sequence[C] = fresh or candidates
-        loads = {c.id: (c, c.in_flight + c.running + c.waiting if fresh else float(c.in_flight))
-                 for c in eligible}
-        total = sum(load for _, load in loads.values())
+        fresh_after = max(now - STALE_AFTER_S, 0.0)
+        loads: dict[str, tuple[C, float]] = {}
+        total = 0.0
+        for c in candidates:
+            if c.metrics_at > fresh_after:
+                load = c.in_flight + c.running + c.waiting
+                loads[c.id] = (c, load)
+                total += load
+        if not loads:               # all stale: what this proxy has in flight is all it knows
+            for c in candidates:
+                loads[c.id] = (c, c.in_flight)
+                total += c.in_flight
         bound = math.ceil(LOAD_FACTOR * (total + 1) / len(loads))
         points, owners = self._points, self._owners
         size = len(owners)
@@ -219,7 +226,7 @@ class Router:
 
 
 def _score(cand: Candidate, now: float) -> float:
-    if cand.metrics_at <= 0.0 or now - cand.metrics_at > STALE_AFTER_S:
+    if cand.metrics_at <= max(now - STALE_AFTER_S, 0.0):     # stale or never scraped
         return SATURATED + cand.in_flight
     kv = min(max(cand.kv_cache_usage, 0.0), KV_CLIP)
     return cand.running + cand.waiting + cand.in_flight + kv * kv / (1.0 - kv)
