@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from examlops_devstack import Proc, free_port, spawn, wait_http
@@ -33,6 +34,19 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     finally:
         for proc in procs:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def metered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A slow streaming server whose /metrics reports vllm:num_requests_running (stream_backend)."""
+    port = free_port()
+    proc = spawn("metered", [sys.executable, "-m", "examlops_testsupport.stream_backend", "--port", str(port),
+                             "--delay", "0.05"], {}, tmp_path_factory.mktemp("metered") / "metered.log")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/metrics", 15, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
 
 
 def exa_json(stack: Stack, *args: str) -> Any:
@@ -104,6 +118,23 @@ def test_scale_an_external_pool_refuses_growth_and_names_replica_add(stack: Stac
     assert [r["id"] for r in listed(stack, "pool-scale")["replicas"]] == ["r0"]
 
 
+def test_a_change_that_runs_a_job_asks_first(stack: Stack, stubs: list[str]) -> None:
+    block = {"engine": "vllm-server", "hf_model_id": "org/m", "served_model_name": "pool-hpc"}
+    stack.register("pool-hpc", launcher="slurm", job_id="4242", base_url=stubs[0], engine_block_json=json.dumps(block))
+    preview = stack.cli("serve", "llm", "scale", "pool-hpc", "2", "--dry-run")
+    assert preview.returncode == 0 and "sbatch" in preview.stdout and "nothing was changed" in preview.stdout
+
+    asked = stack.cli("serve", "llm", "scale", "pool-hpc", "2")  # no terminal answers: cancelled
+    assert asked.returncode == 1 and "Proceed?" in asked.stdout and "pass --yes" in asked.stderr
+    assert [r["id"] for r in listed(stack, "pool-hpc")["replicas"]] == ["r0"]
+
+    # A server someone else runs leaves the pool without a question: no job of ours stops.
+    assert stack.cli("serve", "llm", "replica", "add", "pool-hpc", "--base-url", stubs[1]).returncode == 0
+    out = stack.cli("serve", "llm", "replica", "remove", "pool-hpc", stubs[1], "--drain-timeout", "1")
+    assert out.returncode == 0 and "Proceed?" not in out.stdout, out.stderr
+    assert [r["id"] for r in listed(stack, "pool-hpc")["replicas"]] == ["r0"]
+
+
 def test_status_shows_each_replica_and_engine_proxys_routing(stack: Stack, stubs: list[str]) -> None:
     start_pool(stack, "pool-status", stubs[:2], "--routing", "round-robin")
     wait_until(lambda: len((exa_json(stack, "serve", "llm", "status", "pool-status")["routing"] or {})
@@ -128,6 +159,22 @@ def test_status_shows_each_replica_and_engine_proxys_routing(stack: Stack, stubs
                       env={"EXAMLOPS_ENGINE_PROXY_ADDR": f"127.0.0.1:{free_port()}"})
     assert blind.returncode == 0, blind.stderr
     assert "cannot reach engine-proxy" in blind.stdout and "Replicas (2/2 ready)" in blind.stdout
+
+
+def test_status_shows_each_replicas_live_load(stack: Stack, stubs: list[str], metered: str) -> None:
+    start_pool(stack, "pool-load", [stubs[2], metered])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000, "stream": True}
+    with httpx.stream("POST", metered + "/v1/chat/completions", json=body, timeout=30) as generating:
+        chunks = generating.iter_bytes()  # held: dropping the iterator would close the stream
+        next(chunks)  # one request is running on r1 while status reads the pool
+        st = exa_json(stack, "serve", "llm", "status", "pool-load")
+        human = stack.cli("serve", "llm", "status", "pool-load").stdout
+    load = {r["id"]: r["metrics"] for r in st["replicas"]}
+    assert load["r1"]["requests_running"] == 1 and "requests_running" not in load["r0"]  # the stub has no /metrics
+    replicas_table = human.split("Replicas (")[1].split("Routing (")[0]
+    rows = {cells[1]: cells for line in replicas_table.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")]) > 5 and cells[1] in ("r0", "r1")}
+    assert rows["r1"][2:5] == ["READY", metered, "1"] and rows["r0"][2:5] == ["READY", stubs[2], "-"]
 
 
 def test_pool_flags_are_checked_before_anything_is_sent(stack: Stack, stubs: list[str]) -> None:

@@ -164,18 +164,28 @@ def replica_remove(
 
 
 def change(method: str, req: Any, drain_timeout: float, dry_run: bool, yes: bool) -> None:
-    """A pool change: a dry run prints it; otherwise confirm (a launcher that runs jobs), then do it."""
+    """A pool change: a dry run prints it; otherwise confirm when it runs on the substrate, then do it."""
     timeout = max(Ctx.settings().rpc_timeout_s, 120) + drain_timeout
     if dry_run:
         show_change(call("launcher", method, req, timeout=timeout), dry_run=True)
         return
-    if not yes:
-        ep = call("registry", "GetEndpoint", reg.GetEndpointRequest(name=req.name))
-        if ep.launcher not in ("", "external"):
-            preview = call("launcher", method, req, timeout=timeout)
-            confirm("\n".join([preview.plan.summary, *preview.changes]).strip())
+    if not yes and runs_on_substrate(call("registry", "GetEndpoint", reg.GetEndpointRequest(name=req.name)), req):
+        preview = call("launcher", method, req, timeout=timeout)
+        confirm("\n".join([preview.plan.summary, *preview.changes]).strip())
     req.dry_run = False
     show_change(call("launcher", method, req, timeout=timeout), dry_run=False)
+
+
+def runs_on_substrate(ep: reg.Endpoint, req: Any) -> bool:
+    """Whether the change starts or stops a job of ours (as start and stop, it is then confirmed first).
+
+    An external pool never does; removing a server someone else runs (source external) neither.
+    """
+    if ep.launcher in ("", "external"):
+        return False
+    if isinstance(req, la.RemoveReplicaRequest):
+        return any(req.replica in (r.id, r.base_url) and r.source != "external" for r in ep.replicas)
+    return True
 
 
 def show_change(resp: la.PoolChangeResponse, dry_run: bool) -> None:
