@@ -64,6 +64,8 @@ def status(model: Model) -> None:
         console.print(f"[yellow]routing not shown:[/] {escape(proxy_error)}", highlight=False)
     elif routing is None:
         console.print(f"engine-proxy has no route for {model} (not routed)", highlight=False)
+    elif not routing["replicas"]:
+        console.print(f"engine-proxy routes {model} ({routing['state']}) with no replica to pick", highlight=False)
     else:
         table(f"Routing (engine-proxy): {routing['policy']}",
               ["id", "health", "in flight", "requests", "errors", "ejections", "retries", "picks"],
