@@ -173,10 +173,13 @@ class Parts:
     stubs: list[str]
     loadgen: GrpcLoadGen
     pids: dict[str, int]
+    background_ms_per_s: float     # engine-proxy's idle CPU the two pools add (their scrapes and probes)
 
 
-def _register(stack: Stack, stubs: list[str]) -> None:
+def _register(stack: Stack, stubs: list[str], pools: bool) -> None:
     for label, (name, routing, n) in ROUTES.items():
+        if (n > 1) != pools:
+            continue
         urls = stubs[1:] if label == "control" else stubs[:n]
         block = json.dumps({"engine": "vllm-server", "base_url": urls[0], "routing": routing})
         stack.register(name, engine="vllm-server", engine_block_json=block,
@@ -201,6 +204,13 @@ def _answers(stack: Stack, name: str, timeout_s: float = 20.0) -> None:
         raise RuntimeError(f"{name}: unexpected answer {chunks[0].data[:300]!r}")
 
 
+def _idle_cpu_ms_per_s(pid: int, seconds: float = 5.0) -> float:
+    time.sleep(1.0)                 # let the watchers of a new pool start
+    before = bg.cpu_seconds(pid)
+    time.sleep(seconds)
+    return float(bg.cpu_seconds(pid) - before) * 1000 / seconds
+
+
 @contextmanager
 def bring_up(workdir: Path) -> Iterator[Parts]:
     with ExitStack() as parts:
@@ -218,14 +228,20 @@ def bring_up(workdir: Path) -> Iterator[Parts]:
             wait_http(stubs[-1] + "/health", 15, proc)
             pids[f"stub{i}"] = proc.pid
         stack = parts.enter_context(running_stack(workdir / "stack", redis_server))
-        _register(stack, stubs)
-        for name, _, _ in ROUTES.values():
-            _answers(stack, name)
+        # Scrapes and probes run per second, not per request, in every phase alike: measured apart
+        # as the idle CPU engine-proxy spends once the two pools exist against before.
+        idle = []
+        for pools in (False, True):
+            _register(stack, stubs, pools)
+            for name, _, n in ROUTES.values():
+                if (n > 1) == pools:
+                    _answers(stack, name)
+            idle.append(_idle_cpu_ms_per_s(stack.procs["engine-proxy"].pid))
         loadgen = GrpcLoadGen()
         parts.callback(loadgen.close)
         pids.update({"engine-proxy": stack.procs["engine-proxy"].pid, "client": loadgen.pid})
         try:
-            yield Parts(stack, stubs, loadgen, pids)
+            yield Parts(stack, stubs, loadgen, pids, idle[1] - idle[0])
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -276,7 +292,6 @@ def run(parts: Parts, profile: Profile, rate: float) -> dict[str, Rounds]:
 @dataclass
 class _Replica:
     """The fields a pick reads (engine-proxy's Replica has them among others)."""
-
     id: str
     in_flight: int = 0
     running: float = 0.0
@@ -305,7 +320,7 @@ def _cpu(res: dict[str, Any]) -> float:
     return float(res["cpu_ms_per_request"]["engine-proxy"])
 
 
-def report(results: dict[str, Rounds], profile_name: str, in_process: dict[str, float]) -> str:
+def report(results: dict[str, Rounds], profile_name: str, in_process: dict[str, float], background: float) -> str:
     rounds_n = len(next(iter(results.values())))
     lines = [f"\nRouting cost ({profile_name} run, {rounds_n} rounds; 32 gRPC Generate clients straight to "
              "engine-proxy, endpoints measured in rotating order; stub backends; medians over rounds)\n"]
@@ -335,6 +350,10 @@ def report(results: dict[str, Rounds], profile_name: str, in_process: dict[str, 
                 verdicts.append(f"  {mode}, noise floor (control, also one replica): {added:+.3f} ({per_round})")
         lines.append("")
     lines += verdicts
+    rates = {mode: statistics.median(float(r["least-load"]["rps"]) for r in rounds) for mode, rounds in results.items()}
+    lines.append(f"  background of the two pools (/metrics scrapes, probes), idle: {background:+.2f} ms CPU/s, "
+                 "in every row alike; per request of one pool: "
+                 + ", ".join(f"{mode} {background / 2 / rps:+.3f} ms" for mode, rps in rates.items()))
     lines.append("  policy code alone, in process (affinity_key + pick, two replicas): "
                  + ", ".join(f"{label} {us:.1f} µs" for label, us in in_process.items() if label != "one replica"))
     lines.append("  * busy: CPUs that processes other than the benchmark's kept busy (above ~0.15 the closed-loop "
@@ -370,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with bring_up(workdir) as parts:
             rounds = run(parts, PROFILES[profile_name], args.rate)
+            background = parts.background_ms_per_s
             bg.say("stopping everything")
-        print(report(rounds, profile_name, pick_cost_us()))
+        print(report(rounds, profile_name, pick_cost_us(), background))
         if args.json:
             args.json.write_text(json.dumps({"profile": profile_name, "rounds": rounds}, indent=2))
         ok = True
