@@ -280,13 +280,14 @@ def test_slurm_pool_of_two_jobs_discovered_scaled_and_stopped(stack: Stack, slur
     assert {j.job_id: j.state for j in records}[jobs[1]] == "CANCELLED"
 
     # Scale back to 2: a new job as start would submit it (same walltime), as r1 on port + 1 again.
-    # The old job's endpoint file, left behind, is not the new job's: never read as its address.
-    (work / "pool-slurm.r1.endpoint").write_text(f"{files[1][0]}\njob={jobs[1]}\n")
+    # An endpoint file the old job left behind is removed at submission, never read as the new one's.
+    r1_file = work / "pool-slurm.r1.endpoint"
+    r1_file.write_text(f"{files[1][0]}\njob={jobs[1]}\n")
     grown = stub.Scale(la.ScaleRequest(name="pool-slurm", replicas=2), timeout=60)
     (new,) = [r for r in grown.endpoint.replicas if r.id != "r0"]
     assert new.id == "r1" and new.job_id not in jobs and new.base_url == ""
     assert "#SBATCH --time=00:10:00" in grown.plan.script and f"PORT={port + 1}" in grown.plan.script
-    wait_for(lambda: f"job={new.job_id}" in (work / "pool-slurm.r1.endpoint").read_text(), 60, 0.2,
+    wait_for(lambda: r1_file.is_file() and f"job={new.job_id}" in r1_file.read_text(), 60, 0.2,
              "r1's new endpoint file")
     wait_for(lambda: states(stub.Health(la.HealthRequest(name="pool-slurm"), timeout=60).endpoint) == {
         "r0": "READY", "r1": "READY"}, 60, 0.5, "r1 READY again")

@@ -167,12 +167,13 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
     streams: list[str] = []
     lock = threading.Lock()
     start = threading.Barrier(57)
+    streaming = threading.Semaphore(0)   # released once by each stream at its first token
 
     def plain(i: int) -> None:
         start.wait()
         try:
             reply = client.chat.completions.create(
-                model=name, max_tokens=24, temperature=0,
+                model=name, max_tokens=64, temperature=0,
                 messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}])
             outcome = "ok" if reply.choices[0].message.content is not None else "empty"
         except openai.APIError as exc:
@@ -187,7 +188,10 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
             for chunk in client.chat.completions.create(
                     model=name, max_tokens=400, stream=True, temperature=0,
                     messages=[{"role": "user", "content": f"Write a long story number {i} about a lighthouse."}]):
-                got += bool(chunk.choices and chunk.choices[0].delta.content)
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got += 1
+                    if got == 1:
+                        streaming.release()
             outcome = "complete"
         except openai.APIError as exc:
             outcome = f"cut after {got} chunks: {type(exc).__name__}: {exc}" if got else f"failed before a byte: {exc}"
@@ -197,7 +201,8 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
     with ThreadPoolExecutor(57) as pool:
         futures = [pool.submit(plain, i) for i in range(50)] + [pool.submit(streamed, i) for i in range(6)]
         start.wait()
-        time.sleep(1.5)   # every request is in flight on one of the two servers
+        for _ in range(6):  # every stream has sent a token: the killed server's streams are cut mid-way
+            assert streaming.acquire(timeout=120), "a stream sent no token in 120 s"
         assert victim.proc is not None
         victim.proc.stop(signal.SIGKILL)
         killed_at = time.monotonic()
