@@ -42,18 +42,36 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("data", "final", "usage", "media_parts_dropped", "warnings")
+    __slots__ = ("data", "final", "usage", "media_parts_dropped", "warnings", "replica", "spec_decode")
     DATA_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MEDIA_PARTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     final: bool
     usage: Usage
     media_parts_dropped: int
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, data: _Optional[bytes] = ..., final: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., media_parts_dropped: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    replica: str
+    spec_decode: SpecDecode
+    def __init__(self, data: _Optional[bytes] = ..., final: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., media_parts_dropped: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ..., replica: _Optional[str] = ..., spec_decode: _Optional[_Union[SpecDecode, _Mapping]] = ...) -> None: ...
+
+class SpecDecode(_message.Message):
+    __slots__ = ("acceptance_rate", "speedup", "draft_tokens", "accepted_tokens", "drafts")
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    acceptance_rate: float
+    speedup: float
+    draft_tokens: int
+    accepted_tokens: int
+    drafts: int
+    def __init__(self, acceptance_rate: _Optional[float] = ..., speedup: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafts: _Optional[int] = ...) -> None: ...
 
 class ListRoutesRequest(_message.Message):
     __slots__ = ("name",)
