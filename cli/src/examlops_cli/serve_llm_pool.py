@@ -32,7 +32,9 @@ Yes = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmat
 def status(model: Model) -> None:
     """Registry record, the substrate's view, each replica's live load and engine-proxy's routing.
 
-    The Replicas table is the launcher's live view (its /metrics); the Routing table is what
+    The Replicas table is the launcher's live view (its /metrics; the prefix-cache hit rate, cached
+    prompt tokens / prompt tokens looked up, and the speculative-decoding acceptance rate, accepted /
+    proposed draft tokens, count since each server started); the Routing table is what
     engine-proxy knows of each replica: healthy or ejected, its requests in flight, and its counters
     (requests, errors, ejections, retries, picks by reason) since that engine-proxy started.
     """
@@ -56,9 +58,12 @@ def status(model: Model) -> None:
               [[k, f"{v:.4g}"] for k, v in sorted(resp.metrics.items())])
     if replicas:
         table(f"Replicas ({replicas_ready(resp.endpoint)} ready)",
-              ["id", "state", "base_url", "running", "waiting", "kv cache", "draining", "source", "detail"],
+              ["id", "state", "base_url", "running", "waiting", "kv cache", "prefix hits", "spec accept", "draining",
+               "source", "detail"],
               [[r["id"], r["state"], r["base_url"], _metric(r, "requests_running"), _metric(r, "requests_waiting"),
-                _metric(r, "kv_cache_usage", "{:.0%}"), "yes" if r["draining"] else "", r["source"], r["detail"]]
+                _metric(r, "kv_cache_usage", "{:.0%}"), _metric(r, "prefix_cache_hit_rate", "{:.1%}"),
+                _metric(r, "spec_decode_acceptance_rate", "{:.1%}"), "yes" if r["draining"] else "", r["source"],
+                r["detail"]]
                for r in replicas])
     if proxy_error:
         console.print(f"[yellow]routing not shown:[/] {escape(proxy_error)}", highlight=False)

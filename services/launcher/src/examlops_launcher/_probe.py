@@ -17,6 +17,17 @@ _SUMMED = {
     "vllm:prompt_tokens": "prompt_tokens_total",
     "vllm:generation_tokens": "generation_tokens_total",
     "vllm:request_success": "requests_finished_total",
+    # Counted in tokens over the server's life: hit rate = hits / queries (prompt tokens found cached).
+    "vllm:prefix_cache_queries": "prefix_cache_queries_total",
+    "vllm:prefix_cache_hits": "prefix_cache_hits_total",
+    # Speculative decoding: acceptance rate = accepted / proposed draft tokens, over the server's life.
+    "vllm:spec_decode_num_draft_tokens": "spec_decode_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens": "spec_decode_accepted_tokens_total",
+}
+#: Ratios of two summed counters (numerator, denominator), recomputed for a pool from its sums.
+_RATIOS = {
+    "prefix_cache_hit_rate": ("prefix_cache_hits_total", "prefix_cache_queries_total"),
+    "spec_decode_acceptance_rate": ("spec_decode_accepted_tokens_total", "spec_decode_draft_tokens_total"),
 }
 _TTFT = "vllm:time_to_first_token_seconds"
 
@@ -38,7 +49,12 @@ async def probe(client: httpx.AsyncClient, ep: reg.Endpoint, timeout_s: float) -
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """The headline numbers of a vLLM /metrics page (TTFT as a mean over the server's life)."""
+    """The headline numbers of a vLLM /metrics page.
+
+    TTFT is a mean, prefix_cache_hit_rate and spec_decode_acceptance_rate are ratios of counters: all
+    over the server's life (since it started), not over a recent window. A ratio is absent while its
+    denominator is 0 (no prompt yet; no speculative decoding configured).
+    """
     out: dict[str, float] = {}
     ttft_sum = ttft_count = 0.0
     for family in text_string_to_metric_families(text):
@@ -55,7 +71,14 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     if ttft_count:
         out["ttft_mean_s"] = ttft_sum / ttft_count
         out["ttft_requests"] = ttft_count
-    return out
+    return _with_ratios(out)
+
+
+def _with_ratios(metrics: dict[str, float]) -> dict[str, float]:
+    for ratio, (numerator, denominator) in _RATIOS.items():
+        if metrics.get(denominator):
+            metrics[ratio] = metrics.get(numerator, 0.0) / metrics[denominator]
+    return metrics
 
 
 async def read_metrics(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> tuple[dict[str, float], str]:
@@ -79,12 +102,13 @@ _MEANS = ("kv_cache_usage",)
 
 
 def pool_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
-    """A pool's metrics from its replicas': counts summed, KV-cache usage averaged, TTFT weighted by requests."""
+    """A pool's metrics from its replicas': counts summed, KV-cache usage averaged, TTFT weighted by
+    requests, ratios recomputed from the summed counters (so a busy replica weighs more)."""
     reporting = [m for m in per_replica if m]
     out: dict[str, float] = {}
     for m in reporting:
         for key, value in m.items():
-            if key != "ttft_mean_s":
+            if key != "ttft_mean_s" and key not in _RATIOS:
                 out[key] = out.get(key, 0.0) + value
     for key in _MEANS:
         having = [m[key] for m in reporting if key in m]
@@ -93,4 +117,4 @@ def pool_metrics(per_replica: list[dict[str, float]]) -> dict[str, float]:
     timed = [(m["ttft_mean_s"], m.get("ttft_requests", 0.0)) for m in reporting if "ttft_mean_s" in m]
     if timed and sum(n for _, n in timed):
         out["ttft_mean_s"] = sum(t * n for t, n in timed) / sum(n for _, n in timed)
-    return out
+    return _with_ratios(out)
