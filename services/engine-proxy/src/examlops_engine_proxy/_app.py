@@ -19,6 +19,7 @@ from examlops.svc import (
     load_settings,
     serve_until_signal,
     server_auth,
+    setup_tracing,
     watch_routes,
 )
 
@@ -63,4 +64,5 @@ async def run(settings: EngineProxySettings) -> None:
 def main() -> None:
     settings = load_settings(EngineProxySettings)
     configure_logging(settings.log_level, "engine-proxy")
+    setup_tracing("engine-proxy")
     asyncio.run(run(settings))

@@ -25,10 +25,12 @@ from examlops.svc import (
     RedisUrlError,
     RouteTable,
     configure_logging,
+    fastapi_telemetry,
     insecure_channel,
     load_settings,
     ping_redis,
     redis_client,
+    setup_tracing,
     watch_routes,
 )
 
@@ -126,7 +128,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
                     await closing.aclose()
 
     app = FastAPI(title="ExaMLOps gateway", version="0.1.0", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, telemetry=fastapi_telemetry())  # type: ignore[arg-type]
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
@@ -143,8 +145,10 @@ def build_app(settings: GatewaySettings) -> FastAPI:
 
 
 def create_app() -> FastAPI:
-    """uvicorn factory (`--factory`): settings from the environment."""
-    return build_app(load_settings(GatewaySettings))
+    """uvicorn factory (`--factory`): settings from the environment; tracing set up in each worker."""
+    settings = load_settings(GatewaySettings)
+    setup_tracing("gateway")
+    return build_app(settings)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from examlops.svc import (
     load_settings,
     serve_until_signal,
     server_auth,
+    setup_tracing,
 )
 
 from ._adapters import build_adapters
@@ -53,4 +54,5 @@ async def run(settings: LauncherSettings) -> None:
 def main() -> None:
     settings = load_settings(LauncherSettings)
     configure_logging(settings.log_level, "launcher")
+    setup_tracing("launcher")
     asyncio.run(run(settings))

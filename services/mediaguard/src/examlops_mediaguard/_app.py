@@ -15,6 +15,7 @@ from examlops.svc import (
     load_settings,
     serve_until_signal,
     server_auth,
+    setup_tracing,
 )
 
 from ._service import MediaGuardServicer
@@ -39,4 +40,5 @@ async def run(settings: MediaGuardSettings) -> None:
 def main() -> None:
     settings = load_settings(MediaGuardSettings)
     configure_logging(settings.log_level, "mediaguard")
+    setup_tracing("mediaguard")
     asyncio.run(run(settings))

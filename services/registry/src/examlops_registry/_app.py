@@ -27,6 +27,7 @@ from examlops.svc import (
     redis_primaries,
     serve_until_signal,
     server_auth,
+    setup_tracing,
 )
 
 from ._service import RegistryServicer
@@ -98,4 +99,5 @@ async def run(settings: RegistrySettings) -> None:
 def main() -> None:
     settings = load_settings(RegistrySettings)
     configure_logging(settings.log_level, "registry")
+    setup_tracing("registry")
     asyncio.run(run(settings))

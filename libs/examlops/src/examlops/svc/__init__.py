@@ -1,4 +1,5 @@
-"""Helpers every service shares: settings, gRPC server and errors, caller authentication, the route table."""
+"""Helpers every service shares: settings, gRPC server and errors, caller authentication, the route table,
+tracing."""
 
 from ._auth import (
     MIN_TOKEN_CHARS,
@@ -24,6 +25,7 @@ from ._grpc import (
     error_reason,
     insecure_channel,
     serve_until_signal,
+    trace_context_interceptors,
 )
 from ._logging import configure_logging
 from ._redact import redact, redact_setting
@@ -59,6 +61,15 @@ from ._settings import (
     server_auth,
     settings_error_lines,
 )
+from ._tracing import (
+    TracingConfig,
+    fastapi_telemetry,
+    setup_tracing,
+    shutdown_tracing,
+    tracing_config,
+    tracing_enabled,
+    with_trace_context,
+)
 from ._wire import PARAM_KEY, REASON_KEY
 
 __all__ = [
@@ -86,6 +97,7 @@ __all__ = [
     "ServerAuth",
     "ServiceSettings",
     "TokenError",
+    "TracingConfig",
     "abort",
     "blocking_channel",
     "build_grpc_server",
@@ -93,6 +105,7 @@ __all__ = [
     "configure_logging",
     "current_caller",
     "error_reason",
+    "fastapi_telemetry",
     "insecure_channel",
     "is_cluster_url",
     "load_accepted_tokens",
@@ -110,8 +123,14 @@ __all__ = [
     "serve_until_signal",
     "server_auth",
     "settings_error_lines",
+    "setup_tracing",
+    "shutdown_tracing",
     "state_name",
     "token_problem",
+    "trace_context_interceptors",
+    "tracing_config",
+    "tracing_enabled",
     "unroutable_reason",
     "watch_routes",
+    "with_trace_context",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import signal
 import time
@@ -12,9 +14,11 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import propagate, trace
 from prometheus_client import Counter, Histogram
 
 from ._auth import ServerAuth, aio_bearer_interceptors
+from ._tracing import shutdown_tracing, tracing_enabled
 from ._wire import PARAM_KEY, REASON_KEY
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,116 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+#: Calls that get no span: probes and reflection would bury the traces of real work.
+UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+class _TracingInterceptor(grpc.aio.ServerInterceptor):
+    """A SERVER span per call, child of the caller's `traceparent` in the metadata and current while
+    the handler runs (so the servicer's spans and outgoing calls join the trace). Installed only
+    when tracing is on."""
+
+    def __init__(self) -> None:
+        self.tracer = trace.get_tracer("examlops.svc.grpc")
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(UNTRACED_PREFIXES):
+            return handler
+        parent = propagate.extract(dict(details.invocation_metadata or ()))
+        name = details.method.lstrip("/")
+        service, _, method = name.rpartition("/")
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+
+        def span() -> Any:
+            return self.tracer.start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER,
+                                                     attributes=attributes)
+
+        def ended(s: trace.Span, context: grpc.aio.ServicerContext) -> None:
+            code = context.code()
+            if code is not None:
+                s.set_attribute("rpc.grpc.status_code", code.value[0] if isinstance(code, grpc.StatusCode) else code)
+
+        async def unary(inner: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            with span() as s:
+                try:
+                    return await inner(request, context)
+                finally:
+                    ended(s, context)
+
+        async def streaming(inner: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            with span() as s:
+                try:
+                    result = inner(request, context)
+                    if inspect.isasyncgen(result):
+                        async for item in result:
+                            yield item
+                    else:  # a handler that writes with context.write()
+                        await result
+                finally:
+                    ended(s, context)
+
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        for shape, make, wrap in (("unary_unary", grpc.unary_unary_rpc_method_handler, unary),
+                                  ("stream_unary", grpc.stream_unary_rpc_method_handler, unary),
+                                  ("unary_stream", grpc.unary_stream_rpc_method_handler, streaming),
+                                  ("stream_stream", grpc.stream_stream_rpc_method_handler, streaming)):
+            inner = getattr(handler, shape)
+            if inner is not None:
+                return make(functools.partial(wrap, inner), **kw)
+        return handler
+
+
+def _traced(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    """`details` with the current span's `traceparent`/`tracestate` added to the metadata."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if not carrier:
+        return details
+    metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
+    for key, value in carrier.items():
+        metadata.add(key, value)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                      details.wait_for_ready)
+
+
+class _InjectUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                    request: Any) -> Any:
+        return await continuation(_traced(details), request)
+
+
+class _InjectUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                     request: Any) -> Any:
+        return await continuation(_traced(details), request)
+
+
+class _InjectStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
+        return await continuation(_traced(details), request_iterator)
+
+
+class _InjectStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
+        return await continuation(_traced(details), request_iterator)
+
+
+def trace_context_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that send the current trace context (one per call shape); none when
+    tracing is off."""
+    if not tracing_enabled():
+        return []
+    return [_InjectUnaryUnary(), _InjectUnaryStream(), _InjectStreamUnary(), _InjectStreamStream()]
+
+
 MAX_CONNECTION_AGE_MS = 60_000
 MAX_CONNECTION_AGE_GRACE_MS = 900_000
 
@@ -71,12 +185,14 @@ def build_grpc_server(
     service_names: Iterable[str],
     auth: ServerAuth,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """A grpc.aio server with health, reflection, metrics and caller authentication (`auth`).
+    """A grpc.aio server with health, reflection, metrics, caller authentication (`auth`) and, when
+    tracing is on, a SERVER span per call.
 
     Returns it with its bound port; port=0 binds a free port (tests use that). Refused calls are
     counted too: the metrics interceptor runs outside the authentication one.
     """
-    server = grpc.aio.server(interceptors=[_MetricsInterceptor(), auth.interceptor()], options=[
+    tracing: list[grpc.aio.ServerInterceptor] = [_TracingInterceptor()] if tracing_enabled() else []
+    server = grpc.aio.server(interceptors=[*tracing, _MetricsInterceptor(), auth.interceptor()], options=[
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -125,6 +241,7 @@ async def serve_until_signal(
     await server.stop(grace_s)
     if on_stop is not None:
         await on_stop()
+    shutdown_tracing()  # export the last batched spans
 
 
 async def abort(
@@ -146,9 +263,10 @@ def insecure_channel(addr: str, token: str) -> grpc.aio.Channel:
     """One long-lived channel per peer; every call carries `token` (the caller's EXAMLOPS_SERVICE_TOKEN).
 
     The transport is plaintext (TLS, where wanted, is the mesh's or the proxy's job); the token is
-    what the peer authenticates.
+    what the peer authenticates. With tracing on, calls carry the current trace context too.
     """
-    return grpc.aio.insecure_channel(addr, interceptors=aio_bearer_interceptors(token), options=[
+    interceptors = [*trace_context_interceptors(), *aio_bearer_interceptors(token)]
+    return grpc.aio.insecure_channel(addr, interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.keepalive_time_ms", 30_000),

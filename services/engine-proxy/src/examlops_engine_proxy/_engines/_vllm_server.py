@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
+from examlops.svc import with_trace_context
 
 from .._errors import EngineRejected, ReplicaFailed
 from ._base import Generation
@@ -122,7 +123,9 @@ class VllmServerEngine:
     async def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
         url = self.base_url + gen.path
         try:
-            response = await self.session.post(url, data=orjson.dumps(self.prepare(gen)), headers=self.headers)
+            # The engine joins the caller's trace (vLLM with --otlp-traces-endpoint) through `traceparent`.
+            response = await self.session.post(url, data=orjson.dumps(self.prepare(gen)),
+                                               headers=with_trace_context(self.headers))
         except NET_ERRORS as exc:
             raise self.failed(*net_failure(exc)) from None
         try:
