@@ -296,18 +296,24 @@ class ListHpcJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[HpcJob, _Mapping]]] = ...) -> None: ...
 
 class Price(_message.Message):
-    __slots__ = ("model", "input_micro_usd_per_mtok", "output_micro_usd_per_mtok", "updated_at_ms", "updated_by")
+    __slots__ = ("model", "input_micro_usd_per_mtok", "output_micro_usd_per_mtok", "updated_at_ms", "updated_by", "gpu_hour_micro_usd", "gpus", "min_tokens_per_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUT_MICRO_USD_PER_MTOK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MICRO_USD_PER_MTOK_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_BY_FIELD_NUMBER: _ClassVar[int]
+    GPU_HOUR_MICRO_USD_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     input_micro_usd_per_mtok: int
     output_micro_usd_per_mtok: int
     updated_at_ms: int
     updated_by: str
-    def __init__(self, model: _Optional[str] = ..., input_micro_usd_per_mtok: _Optional[int] = ..., output_micro_usd_per_mtok: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., updated_by: _Optional[str] = ...) -> None: ...
+    gpu_hour_micro_usd: int
+    gpus: int
+    min_tokens_per_s: float
+    def __init__(self, model: _Optional[str] = ..., input_micro_usd_per_mtok: _Optional[int] = ..., output_micro_usd_per_mtok: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., updated_by: _Optional[str] = ..., gpu_hour_micro_usd: _Optional[int] = ..., gpus: _Optional[int] = ..., min_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class SetPriceRequest(_message.Message):
     __slots__ = ("price", "actor")
