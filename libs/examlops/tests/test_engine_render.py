@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -130,6 +131,29 @@ def test_the_api_key_travels_by_environment_only() -> None:
 def test_a_missing_secret_fails_naming_the_variable() -> None:
     with pytest.raises(EngineBlockError, match="GPU_KEY holding the API key is not set"):
         render_vllm_command(block(api_key_secret_ref="env:GPU_KEY"), environ={})
+
+
+def test_the_otlp_traces_endpoint_renders_vllms_flag() -> None:
+    argv = render_vllm_command(block(otlp_traces_endpoint="http://collector:4317/")).argv
+    assert flag_value(argv, "--otlp-traces-endpoint") == "http://collector:4317"
+    assert "--otlp-traces-endpoint" not in render_vllm_command(block()).argv
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("collector:4317", "not an http(s) URL"), ("grpc://collector:4317", "not an http(s) URL"),
+    ("http://user:pw@collector:4318/v1/traces", "OTEL_EXPORTER_OTLP_HEADERS"),
+    ("http://collector:4318/v1/traces?x=1", "not a server address"),
+])
+def test_a_bad_otlp_traces_endpoint_is_refused(url: str, why: str) -> None:
+    with pytest.raises(EngineBlockError, match=re.escape(why)):
+        block(otlp_traces_endpoint=url)
+
+
+def test_the_otlp_traces_endpoint_is_owned_and_only_for_a_vllm_server() -> None:
+    with pytest.raises(EngineBlockError, match="otlp_traces_endpoint"):
+        block(extra_args=["--otlp-traces-endpoint", "http://collector:4317"])
+    with pytest.raises(EngineBlockError, match="only a vLLM server exports"):
+        parse_engine_block({"engine": "echo", "otlp_traces_endpoint": "http://collector:4317"})
 
 
 def test_extra_args_come_last_verbatim() -> None:

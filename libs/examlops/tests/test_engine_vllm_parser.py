@@ -45,6 +45,7 @@ RENDERED_DESTS = [
     "kv_cache_dtype", "enable_chunked_prefill", "enable_prefix_caching", "speculative_config",
     "spec_method", "spec_model", "spec_tokens", "limit_mm_per_prompt", "allowed_media_domains",
     "allowed_local_media_path", "mm_processor_cache_gb", "api_key", "config", "runner", "convert",
+    "otlp_traces_endpoint",
 ]
 #: Flags a model file may pass through extra_args, and the namespace value each must produce.
 EXTRA_ARGS: list[tuple[list[str], str, Any]] = [
@@ -140,6 +141,7 @@ def engine_blocks(draw: st.DrawFn) -> dict[str, Any]:
         "speculative_decoding": speculative(),
         "multimodal": multimodal(),
         "api_key_secret_ref": st.just("env:EXAMLOPS_TEST_KEY"),
+        "otlp_traces_endpoint": st.sampled_from(["http://127.0.0.1:4317", "https://otel.example.com/v1/traces"]),
     }
     for key, strategy in optional.items():
         if draw(st.booleans()):
@@ -179,6 +181,7 @@ def expected_namespace(block: EngineBlock, model: str | None, port: int | None) 
         "api_key": None,
         "runner": "pooling" if block.task == "embed" else "auto",
         "convert": "auto",
+        "otlp_traces_endpoint": block.otlp_traces_endpoint,
     }
     if port is not None:
         expected["port"] = port

@@ -45,6 +45,7 @@ VLLM_OWNED_FLAGS: Mapping[str, str] = {
     "allowed-local-media-path": "multimodal.allowed_local_media_path",
     "mm-processor-cache-gb": "multimodal.mm_processor_cache_gb",
     "api-key": "api_key_secret_ref (the key travels by environment, never on argv)",
+    "otlp-traces-endpoint": "otlp_traces_endpoint",
     "config": _BLOCK,
 }
 

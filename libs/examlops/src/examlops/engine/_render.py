@@ -91,6 +91,8 @@ def render_vllm_command(
     if (spec := vllm_speculative_config(block)) is not None:
         argv += ["--speculative-config", _json(spec)]
     argv += _vllm_multimodal_args(block)
+    if block.otlp_traces_endpoint is not None:
+        argv += ["--otlp-traces-endpoint", block.otlp_traces_endpoint]
     argv += block.extra_args
     return VllmCommand(argv=argv, env={**_vllm_media_env(block), **_api_key_env(block, environ)})
 

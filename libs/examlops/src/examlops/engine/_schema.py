@@ -117,6 +117,23 @@ class SpeculativeDecoding(BaseModel):
         return self
 
 
+def _server_url(value: str, for_credentials: str) -> str:
+    """`value` as a server address: http(s)://host[:port][/path], without trailing slash."""
+    accepted = ("http(s)://host[:port][/path] without credentials, query or fragment",)
+    try:
+        url = urlsplit(value)
+        port = url.port
+    except ValueError as exc:
+        raise EngineBlockError.single("", value, f"is not a URL ({exc})", accepted) from None
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise EngineBlockError.single("", value, "is not an http(s) URL", accepted)
+    if url.username is not None or url.password is not None:
+        raise EngineBlockError.single("", value, f"carries credentials; {for_credentials}", accepted)
+    if url.query or url.fragment or port == 0:
+        raise EngineBlockError.single("", value, "is not a server address", accepted)
+    return value.rstrip("/")
+
+
 class EngineBlock(BaseModel):
     """The `engine:` block of `usecases/<pack>/models/<name>.yaml`.
 
@@ -148,6 +165,10 @@ class EngineBlock(BaseModel):
     speculative_decoding: SpeculativeDecoding | None = None
     multimodal: MultimodalPolicy = Field(default_factory=MultimodalPolicy)
     api_key_secret_ref: str | None = None
+    #: Where vLLM exports its own request spans (`--otlp-traces-endpoint`); it joins the caller's trace
+    #: through the `traceparent` engine-proxy sends. vLLM speaks OTLP/gRPC unless its environment has
+    #: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (then the URL ends in /v1/traces).
+    otlp_traces_endpoint: str | None = None
     extra_args: list[str] = Field(default_factory=list)
 
     @model_validator(mode="before")
@@ -165,23 +186,12 @@ class EngineBlock(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _base_url_is_an_endpoint(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        accepted = ("http(s)://host[:port][/path] without credentials, query or fragment",)
-        try:
-            url = urlsplit(value)
-            port = url.port
-        except ValueError as exc:
-            raise EngineBlockError.single("", value, f"is not a URL ({exc})", accepted) from None
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise EngineBlockError.single("", value, "is not an http(s) URL", accepted)
-        if url.username is not None or url.password is not None:
-            raise EngineBlockError.single(
-                "", value, "carries credentials; use api_key_secret_ref", accepted
-            )
-        if url.query or url.fragment or port == 0:
-            raise EngineBlockError.single("", value, "is not a server address", accepted)
-        return value.rstrip("/")
+        return None if value is None else _server_url(value, "use api_key_secret_ref")
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_endpoint_is_a_url(cls, value: str | None) -> str | None:
+        return None if value is None else _server_url(value, "put them in OTEL_EXPORTER_OTLP_HEADERS")
 
     @field_validator("api_key_secret_ref")
     @classmethod
@@ -226,6 +236,11 @@ class EngineBlock(BaseModel):
                 "mode", self.mode,
                 f"engine {self.engine!r} runs with mode {wanted!r} (only vllm-inproc runs "
                 "in-process)", (wanted,),
+            ))
+        if self.otlp_traces_endpoint is not None and self.engine != "vllm-server":
+            issues.append(EngineBlockIssue(
+                "otlp_traces_endpoint", self.otlp_traces_endpoint,
+                f"only a vLLM server exports its own spans here, not engine {self.engine!r}", ("null",),
             ))
         if inproc and self.base_url is not None:
             issues.append(EngineBlockIssue(
