@@ -122,7 +122,13 @@ def service_env(name: str, ports: StackPorts, extra: dict[str, str] | None = Non
             env[SERVICE_TOKEN_VAR] = tokens.tokens[name]
         if name == "cli":
             env[OPERATOR_TOKEN_VAR] = tokens.operator_token
-    return {**env, **(extra or {})}
+    return {**env, **otel_env(), **(extra or {})}
+
+
+def otel_env() -> dict[str, str]:
+    """OpenTelemetry's variables of this process (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER...),
+    passed on to every service: `OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 make up` traces."""
+    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
 def service_argv(name: str) -> list[str]:

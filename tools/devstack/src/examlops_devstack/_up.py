@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from examlops.svc import DEFAULT_ADMIN_KEY, blocking_channel
+from examlops.svc import DEFAULT_ADMIN_KEY, blocking_channel, tracing_config
 
 from ._procs import Proc, grpc_serving, http_ok, spawn, wait_grpc, wait_http
 from ._rundir import BOLD, GREEN, RED, RESET, RunDir, say
@@ -135,6 +135,7 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
             raise
         run.record(part, proc)
         say(f"{part}: started (pid {proc.pid})")
+    say(f"services: {tracing_config().describe()}")
     if engine == "vllm":
         if vllm_venv is None or model_dir is None or minilm_dir is None:
             raise SystemExit("engine vllm needs --vllm-venv, --model-dir and --minilm-dir (make up passes them)")
