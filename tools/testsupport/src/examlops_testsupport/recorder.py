@@ -56,6 +56,7 @@ class RecordingServer:
         (401, recorded in `refused`); `port`: listen there (0: a free port). The answer's text is
         "recorded", or the next of `answers` while it holds any (a test scripts them)."""
         self.bodies: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []  # the HTTP headers of each recorded body
         self.answers: list[str] = []
         self.refused = 0
         self.connections = 0
@@ -81,6 +82,7 @@ class RecordingServer:
                     self._send(401, b'{"error": "Unauthorized"}', "application/json")
                     return
                 recorder.bodies.append(body)
+                recorder.request_headers.append({k.lower(): v for k, v in self.headers.items()})
                 content = recorder.answers.pop(0) if recorder.answers else "recorded"
                 usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
                 if to_the_limit:
