@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,42 +318,52 @@ def run_scenarios(parts: Parts, profile: Profile) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# A run of a stack benchmark (this one, bench_governance, bench_routing)
+
+
+def bench_parser(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """The options every stack benchmark takes: --quick, --json and --workdir."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--json", type=Path, help="also write the results as JSON to this file")
+    ap.add_argument("--workdir", type=Path, help="keep logs and Redis data here (default: a temporary folder)")
+    return ap
 
 
 def _terminate(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a ~30 s run with fewer requests")
-    ap.add_argument("--json", type=Path, help="also write the results as JSON to this file")
-    ap.add_argument("--workdir", type=Path, help="keep logs and Redis data here (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    profile_name = "quick" if args.quick else "full"
-    profile = PROFILES[profile_name]
+#: (workdir, profile name) -> (the report, the fields of the --json file besides "profile")
+Measure = Callable[[Path, str], tuple[str, dict[str, Any]]]
 
+
+def run_bench(args: argparse.Namespace, workdir_prefix: str, measure: Measure,
+              errors: tuple[type[Exception], ...] = ()) -> int:
+    """Run `measure` in a work folder, print its report and write --json. Ctrl-C and SIGTERM stop
+    everything it started; the folder (its logs) is kept on failure or when --workdir names it.
+    Exit status 0; 1 when it failed (RuntimeError, TimeoutError, AssertionError or `errors`);
+    2 without redis-server; 130 when interrupted."""
+    profile_name = "quick" if args.quick else "full"
     if shutil.which("redis-server") is None:
         say("redis-server is not installed (make system-deps installs it)")
         return 2
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="examlops-bench-"))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=workdir_prefix))
+    failures: tuple[type[Exception], ...] = (RuntimeError, TimeoutError, AssertionError, *errors)
     started = time.monotonic()
     ok = False
     try:
-        with bring_up(workdir) as parts:
-            results = run_scenarios(parts, profile)
-            say("stopping everything")
-        print(report(results, profile_name))
+        text, fields = measure(workdir, profile_name)
+        print(text)
         if args.json:
-            args.json.write_text(json.dumps({"profile": profile_name, "results": results}, indent=2))
+            args.json.write_text(json.dumps({"profile": profile_name, **fields}, indent=2))
         ok = True
     except KeyboardInterrupt:
         say("interrupted: everything it started is stopped")
         return 130
-    except (RuntimeError, TimeoutError, AssertionError) as exc:
+    except failures as exc:
         say(f"benchmark failed: {exc}\n    logs are in {workdir}")
         return 1
     finally:
@@ -361,6 +371,19 @@ def main(argv: list[str] | None = None) -> int:
         if ok and args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def _measure(workdir: Path, profile_name: str) -> tuple[str, dict[str, Any]]:
+    with bring_up(workdir) as parts:
+        results = run_scenarios(parts, PROFILES[profile_name])
+        say("stopping everything")
+    return report(results, profile_name), {"results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_parser(__doc__, "a ~30 s run with fewer requests").parse_args(argv)
+    signal.signal(signal.SIGHUP, _terminate)  # a closed terminal also stops everything cleanly
+    return run_bench(args, "examlops-bench-", _measure)
 
 
 if __name__ == "__main__":

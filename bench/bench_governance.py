@@ -19,15 +19,10 @@ repeated with appendfsync everysec, to show how much of the added cost is the di
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,40 +177,16 @@ def report(results: dict[str, Any], profile_name: str) -> str:
     return "\n".join(lines)
 
 
+def _measure(workdir: Path, profile_name: str) -> tuple[str, dict[str, Any]]:
+    with bg.bring_up(workdir) as parts:
+        results = run(parts, PROFILES[profile_name])
+        bg.say("stopping everything")
+    return report(results, profile_name), {"results": results}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a ~1 min run with fewer requests")
-    ap.add_argument("--json", type=Path, help="also write the results as JSON to this file")
-    ap.add_argument("--workdir", type=Path, help="keep logs and Redis data here (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    profile_name = "quick" if args.quick else "full"
-    if shutil.which("redis-server") is None:
-        bg.say("redis-server is not installed (make system-deps installs it)")
-        return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, bg._terminate)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="examlops-bench-gov-"))
-    started = time.monotonic()
-    ok = False
-    try:
-        with bg.bring_up(workdir) as parts:
-            results = run(parts, PROFILES[profile_name])
-            bg.say("stopping everything")
-        print(report(results, profile_name))
-        if args.json:
-            args.json.write_text(json.dumps({"profile": profile_name, "results": results}, indent=2))
-        ok = True
-    except KeyboardInterrupt:
-        bg.say("interrupted: everything it started is stopped")
-        return 130
-    except (RuntimeError, TimeoutError, AssertionError, httpx.HTTPError) as exc:
-        bg.say(f"benchmark failed: {exc}\n    logs are in {workdir}")
-        return 1
-    finally:
-        bg.say(f"took {time.monotonic() - started:.0f}s")
-        if ok and args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    args = bg.bench_parser(__doc__, "a ~1 min run with fewer requests").parse_args(argv)
+    return bg.run_bench(args, "examlops-bench-gov-", _measure, errors=(httpx.HTTPError,))
 
 
 if __name__ == "__main__":

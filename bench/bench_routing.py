@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -48,7 +46,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_gateway as bg  # noqa: E402
 import grpc  # noqa: E402
-from loadgen import emit, summarize  # noqa: E402
+from loadgen import emit, serve, summarize  # noqa: E402
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb  # noqa: E402
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc  # noqa: E402
@@ -57,6 +55,7 @@ from examlops.svc import insecure_channel  # noqa: E402
 from examlops_devstack import free_port, spawn, wait_http  # noqa: E402
 from examlops_engine_proxy._routing import Router, affinity_key  # noqa: E402
 from examlops_testsupport.fixtures import Stack, running_stack, start_redis  # noqa: E402
+from examlops_testsupport.routing import CandidateState  # noqa: E402
 
 BUDGET_MS = 0.1
 #: The paced phases' offered load: below what engine-proxy sustains on a shared 2-CPU machine.
@@ -139,18 +138,6 @@ async def _client_phase(spec: dict[str, Any]) -> None:
         emit(summarize(lat, elapsed, len(failures), failures[0] if failures else ""))
     finally:
         await channel.close()
-
-
-async def _client_serve() -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        line = await loop.run_in_executor(None, sys.stdin.readline)
-        if not line or line.strip() == "quit":
-            return
-        try:
-            await _client_phase(json.loads(line))
-        except (OSError, ValueError) as exc:
-            emit({"event": "failed", "error": f"{type(exc).__name__}: {exc}"})
 
 
 class GrpcLoadGen(bg.LoadGen):
@@ -289,22 +276,11 @@ def run(parts: Parts, profile: Profile, rate: float) -> dict[str, Rounds]:
     return results
 
 
-@dataclass
-class _Replica:
-    """The fields a pick reads (engine-proxy's Replica has them among others)."""
-    id: str
-    in_flight: int = 0
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_cache_usage: float = 0.0
-    metrics_at: float = 0.0
-
-
 def pick_cost_us(n: int = 20_000) -> dict[str, float]:
     """The policy code alone, in this process: affinity_key + Router.pick on the bench's bodies (µs)."""
     bodies = [json.loads(chat_body(i)) for i in range(32)]
-    replicas = [_Replica("r0", running=3, metrics_at=time.monotonic()),
-                _Replica("r1", running=2, metrics_at=time.monotonic())]
+    replicas = [CandidateState("r0", running=3, metrics_at=time.monotonic()),
+                CandidateState("r1", running=2, metrics_at=time.monotonic())]
     out = {}
     for label, (_, policy, _) in ROUTES.items():
         router = Router(policy, [r.id for r in replicas])
@@ -364,48 +340,26 @@ def report(results: dict[str, Rounds], profile_name: str, in_process: dict[str, 
     return "\n".join(lines)
 
 
+def _measure(workdir: Path, profile_name: str, rate: float) -> tuple[str, dict[str, Any]]:
+    with bring_up(workdir) as parts:
+        rounds = run(parts, PROFILES[profile_name], rate)
+        background = parts.background_ms_per_s
+        bg.say("stopping everything")
+    return report(rounds, profile_name, pick_cost_us(), background), {"rounds": rounds}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a ~1.5 min run with fewer requests")
-    ap.add_argument("--json", type=Path, help="also write the results as JSON to this file")
-    ap.add_argument("--workdir", type=Path, help="keep logs and Redis data here (default: a temporary folder)")
+    ap = bg.bench_parser(__doc__, "a ~1.5 min run with fewer requests")
     ap.add_argument("--rate", type=float, default=RATE,
                     help=f"requests per second the 32 clients offer together in the paced phases "
                          f"(default {RATE:g})")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)  # the load generator child
     args = ap.parse_args(argv)
     if args.client:
-        asyncio.run(_client_serve())
+        asyncio.run(serve(_client_phase))
         return 0
-    if shutil.which("redis-server") is None:
-        bg.say("redis-server is not installed (make system-deps installs it)")
-        return 2
-    profile_name = "quick" if args.quick else "full"
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, bg._terminate)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="examlops-bench-routing-"))
-    started = time.monotonic()
-    ok = False
-    try:
-        with bring_up(workdir) as parts:
-            rounds = run(parts, PROFILES[profile_name], args.rate)
-            background = parts.background_ms_per_s
-            bg.say("stopping everything")
-        print(report(rounds, profile_name, pick_cost_us(), background))
-        if args.json:
-            args.json.write_text(json.dumps({"profile": profile_name, "rounds": rounds}, indent=2))
-        ok = True
-    except KeyboardInterrupt:
-        bg.say("interrupted: everything it started is stopped")
-        return 130
-    except (RuntimeError, TimeoutError, AssertionError) as exc:
-        bg.say(f"benchmark failed: {exc}\n    logs are in {workdir}")
-        return 1
-    finally:
-        bg.say(f"took {time.monotonic() - started:.0f}s")
-        if ok and args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return bg.run_bench(args, "examlops-bench-routing-",
+                        lambda workdir, profile_name: _measure(workdir, profile_name, args.rate))
 
 
 if __name__ == "__main__":

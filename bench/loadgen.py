@@ -21,6 +21,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -237,14 +238,16 @@ async def phase(spec: dict[str, Any]) -> None:
         runner.close()
 
 
-async def serve() -> None:
+async def serve(run_phase: Callable[[dict[str, Any]], Awaitable[None]] = phase) -> None:
+    """Answer the parent's phases until "quit" (or its stdin closes); `run_phase` runs one spec
+    (bench_routing's gRPC client brings its own)."""
     loop = asyncio.get_running_loop()
     while True:
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line or line.strip() == "quit":
             return
         try:
-            await phase(json.loads(line))
+            await run_phase(json.loads(line))
         except (OSError, ValueError) as exc:
             emit({"event": "failed", "error": f"{type(exc).__name__}: {exc}"})
 

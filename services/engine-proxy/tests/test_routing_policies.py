@@ -17,6 +17,7 @@ from examlops_engine_proxy._routing import (
     UnknownRouting,
     affinity_key,
 )
+from examlops_testsupport.routing import CandidateState
 
 NOW = 1_000.0
 CHAT, COMPLETION = pb.REQUEST_KIND_CHAT, pb.REQUEST_KIND_COMPLETION
@@ -24,12 +25,7 @@ LONG_SYSTEM = "You are the support agent of ACME. " + " ".join(f"Rule {i}: be pr
 
 
 @dataclass
-class Replica:
-    id: str
-    in_flight: int = 0
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_cache_usage: float = 0.0
+class Replica(CandidateState):
     metrics_at: float = NOW     # fresh
 
 

@@ -12,10 +12,10 @@ could really cost.
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from ._http_stub import StubHandler, ThreadedStub, sse
 
 #: vLLM 0.32's rendered-text part types (renderers/chat_utils.py TEXT_PART_TYPES), and their text field.
 TEXT_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
@@ -50,7 +50,7 @@ def usage_to_the_limit(path: str, body: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion}
 
 
-class RecordingServer:
+class RecordingServer(ThreadedStub):
     def __init__(self, to_the_limit: bool = False, *, api_key: str = "", port: int = 0) -> None:
         """`api_key`: like `vllm serve` with VLLM_API_KEY, refuse a POST without `Bearer <api_key>`
         (401, recorded in `refused`); `port`: listen there (0: a free port). The answer's text is
@@ -62,24 +62,19 @@ class RecordingServer:
         self.connections = 0
         recorder = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(StubHandler):
             def setup(self) -> None:
                 recorder.connections += 1
                 super().setup()
 
             def do_GET(self) -> None:
-                self._send(200, b"{}", "application/json")
+                self.send_whole(200, b"{}", "application/json")
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.read_json()
                 if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
                     recorder.refused += 1
-                    self._send(401, b'{"error": "Unauthorized"}', "application/json")
+                    self.send_whole(401, b'{"error": "Unauthorized"}', "application/json")
                     return
                 recorder.bodies.append(body)
                 recorder.request_headers.append({k.lower(): v for k, v in self.headers.items()})
@@ -94,37 +89,15 @@ class RecordingServer:
                               {"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                                "choices": [], "usage": usage}]
                     # Chunked like vLLM: the body's terminating chunk comes after [DONE].
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Transfer-Encoding", "chunked")
-                    self.end_headers()
-                    events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
-                    for event in events:
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-                        self.wfile.flush()
+                    self.start_stream()
+                    for event in sse(chunks):
+                        self.write_chunk(event)
                     time.sleep(0.2)
-                    self.wfile.write(b"0\r\n\r\n")
+                    self.end_stream()
                     return
                 answer = {"id": "r", "object": "chat.completion", "created": 0, "model": body["model"],
                           "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                                        "finish_reason": "stop"}], "usage": usage}
-                self._send(200, json.dumps(answer).encode(), "application/json")
+                self.send_whole(200, json.dumps(answer).encode(), "application/json")
 
-            def _send(self, status: int, data: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._listen(Handler, port)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from ._http_stub import StubHandler, ThreadedStub, sse
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
 
 
-class ReplicaBackend:
+class ReplicaBackend(ThreadedStub):
     def __init__(self, *, delay_s: float = 0.0, port: int = 0, answer: str = "pong") -> None:
         self.delay_s = delay_s        # before the answer (or the stream's first chunk)
         self.chunk_delay_s = 0.05     # between a stream's chunks
@@ -39,20 +40,15 @@ class ReplicaBackend:
         self.lock = threading.Lock()
         backend = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(StubHandler):
             def do_GET(self) -> None:
                 if self.path == "/metrics":
-                    self._send(200, backend.metrics().encode(), "text/plain")
+                    self.send_whole(200, backend.metrics().encode(), "text/plain")
                 else:
-                    self._send(200, b"", "text/plain")
+                    self.send_whole(200, b"", "text/plain")
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.read_json()
                 with backend.lock:
                     backend.served += 1
                     backend.in_flight += 1
@@ -61,11 +57,11 @@ class ReplicaBackend:
                     time.sleep(backend.delay_s)
                     if backend.status != 200:
                         err = {"error": {"message": f"stub says {backend.status}", "type": "stub", "code": None}}
-                        self._send(backend.status, json.dumps(err).encode(), "application/json")
+                        self.send_whole(backend.status, json.dumps(err).encode(), "application/json")
                     elif body.get("stream"):
                         self._stream(body)
                     else:
-                        self._send(200, json.dumps(backend.whole(body)).encode(), "application/json")
+                        self.send_whole(200, json.dumps(backend.whole(body)).encode(), "application/json")
                 except (BrokenPipeError, ConnectionResetError):
                     pass
                 finally:
@@ -73,31 +69,17 @@ class ReplicaBackend:
                         backend.in_flight -= 1
 
             def _stream(self, body: dict[str, Any]) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
+                self.start_stream()
                 for i, event in enumerate(backend.events(body)):
                     if backend.cut_after and i >= backend.cut_after:
                         self.close_connection = True
                         self.connection.shutdown(2)  # dropped mid-answer, as a killed server's socket
                         return
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-                    self.wfile.flush()
+                    self.write_chunk(event)
                     time.sleep(backend.chunk_delay_s)
-                self.wfile.write(b"0\r\n\r\n")
+                self.end_stream()
 
-            def _send(self, status: int, data: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+        self._listen(Handler, port)
 
     def metrics(self) -> str:
         return (f'vllm:num_requests_running{{model_name="stub"}} {self.in_flight + self.running}\n'
@@ -115,17 +97,4 @@ class ReplicaBackend:
                                         "finish_reason": "stop" if i == self.chunks - 1 else None}]}
                   for i in range(self.chunks)]
         chunks.append({**base, "choices": [], "usage": USAGE})
-        return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
-
-    @property
-    def port(self) -> int:
-        return int(self.httpd.server_address[1])
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        """Stop listening: new connections are refused."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        return sse(chunks)

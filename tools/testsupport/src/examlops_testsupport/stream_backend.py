@@ -17,57 +17,45 @@ import argparse
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from ._http_stub import StubHandler, ThreadedStub
 
 PROMPT_TOKENS = 7
 
 
-class StreamBackend:
+class StreamBackend(ThreadedStub):
     def __init__(self, port: int, tokens_per_chunk: int, delay: float, usage: bool) -> None:
         self.running = 0
         self.lock = threading.Lock()
         backend = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(StubHandler):
             def do_GET(self) -> None:
                 body = (f'vllm:num_requests_running{{model_name="stub"}} {backend.running}\n' if
                         self.path == "/metrics" else "{}").encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_whole(200, body, None)
 
             def do_POST(self) -> None:
-                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                req = self.read_json()
                 opts = req.get("stream_options") or {}
                 include = usage and bool(opts.get("include_usage"))
                 continuous = include and bool(opts.get("continuous_usage_stats"))
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
+                self.start_stream()
                 with backend.lock:
                     backend.running += 1
                 try:
                     for event in backend.events(req, tokens_per_chunk, include, continuous):
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
-                        self.wfile.flush()
+                        self.write_chunk(event)
                         time.sleep(delay)
-                    self.wfile.write(b"0\r\n\r\n")
+                    self.end_stream()
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client left: the generation is aborted, as vLLM does
                 finally:
                     with backend.lock:
                         backend.running -= 1
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.httpd.daemon_threads = True
+        self._listen(Handler, port, in_thread=False)  # main() serves in the foreground
 
     @staticmethod
     def events(req: dict[str, Any], per_chunk: int, include: bool, continuous: bool) -> Any:
@@ -104,7 +92,7 @@ def main() -> None:
     ap.add_argument("--no-usage", action="store_true", help="never report usage")
     args = ap.parse_args()
     server = StreamBackend(args.port, args.tokens_per_chunk, args.delay, not args.no_usage)
-    print(f"ready on {server.httpd.server_address[1]}", flush=True)  # noqa: T201
+    print(f"ready on {server.port}", flush=True)  # noqa: T201
     server.httpd.serve_forever()
 
 
