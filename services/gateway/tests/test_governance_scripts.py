@@ -111,7 +111,7 @@ def test_budget_caps_max_tokens_and_reserves_the_bound(s: Scripts) -> None:
     key_id, token = s.key(budget=1000)
     # prompt 10 tokens = 20 micro-USD; 980 left pays for 98 output tokens at 10 each
     out, res_id = s.reserve(key_id, token, prompt=10, asked=500)
-    assert out == ["ok", "98", "1000", "t", "p", "1", ""]  # the last: the key's guardrail policies (none)
+    assert out == ["ok", "98", "1000", "t", "p", "1", "", "1"]  # guardrail policies (none); budgeted
     assert s.fields(key_id)["reserved"] == "1000"
     assert s.reserve(key_id, token, prompt=1)[0][:2] == ["deny", "budget_exceeded"]
     s.settle(key_id, res_id, 10, 30)  # 20 + 300

@@ -87,6 +87,22 @@ class GatewaySettings(ServiceSettings):
                                                    "reaped even if its replica looks alive.")
     cost_retention_days: float = Field(default=90.0, ge=0,
                                        description="Cost records older than this are trimmed; 0 keeps them all.")
+    llm_cost_provider: str = Field(default="prices",
+                                   description="How a call's cost is computed: prices (the registry's per-token "
+                                               "prices), gpu-hour (the endpoint's GPU-hour price apportioned by "
+                                               "the call's share of its server's token throughput) or "
+                                               "module:Class (an importable cost provider); GOVERNANCE.md.")
+    cost_window_s: int = Field(default=30, ge=1, le=600,
+                               description="gpu-hour: the window, in seconds, of a server's recent token "
+                                           "throughput.")
+
+    @field_validator("llm_cost_provider")
+    @classmethod
+    def _cost_provider_resolves(cls, value: str) -> str:
+        from .governance._provider import resolve  # the provider is built here, once per process
+
+        resolve(value.strip())  # a ProviderError is a ValueError: the variable is named with the fix
+        return value.strip()
 
     @field_validator("admin_key")
     @classmethod

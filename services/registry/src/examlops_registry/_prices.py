@@ -4,7 +4,8 @@
   {exa:reg}:price_changes      STREAM kind, model, price  (WatchPrices feed; trimmed to about 10k entries)
   {exa:reg}:project_resources  HASH  "<kind>:<name>" -> ProjectResource (protobuf JSON)
 
-Prices are integers in micro-USD per million tokens, so that the gateway's cost arithmetic is exact.
+Prices are integers in micro-USD per million tokens (a GPU-hour price: micro-USD per GPU-hour), so
+that the gateway's cost arithmetic is exact.
 Each change, its change event and its audit event are written in one MULTI/EXEC, like endpoint
 records, so WatchPrices (a snapshot, then every change) never misses one. Endpoints
 with a project are attributed by RegistryStore.mutate itself (kind serving_endpoint), in the same
@@ -33,6 +34,9 @@ MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 RESOURCE_KINDS = ("serving_endpoint", "virtual_key", "model_version")
 #: 1,000 USD per million tokens: far above any real price, low enough that costs stay exact integers.
 MAX_MICRO_USD_PER_MTOK = 1_000 * 1_000_000
+#: 10,000 USD per GPU-hour and 4,096 GPUs per server: far above any real price or server.
+MAX_MICRO_USD_PER_GPU_HOUR = 10_000 * 1_000_000
+MAX_GPUS = 4096
 
 
 def _json(msg: pb.Price | pb.ProjectResource) -> str:
@@ -116,6 +120,14 @@ class PricesServicerMixin:
              f"input price must be between 0 and {MAX_MICRO_USD_PER_MTOK} micro-USD per million tokens"),
             ("output_micro_usd_per_mtok", not 0 <= p.output_micro_usd_per_mtok <= MAX_MICRO_USD_PER_MTOK,
              f"output price must be between 0 and {MAX_MICRO_USD_PER_MTOK} micro-USD per million tokens"),
+            ("gpu_hour_micro_usd", not 0 <= p.gpu_hour_micro_usd <= MAX_MICRO_USD_PER_GPU_HOUR,
+             f"GPU-hour price must be between 0 and {MAX_MICRO_USD_PER_GPU_HOUR} micro-USD"),
+            ("gpus", not 0 <= p.gpus <= MAX_GPUS, f"gpus must be between 0 (the engine block's) and {MAX_GPUS}"),
+            ("min_tokens_per_s", not (0 <= p.min_tokens_per_s < float("inf")),
+             "min_tokens_per_s must be a positive number of tokens per second"),
+            ("min_tokens_per_s", p.gpu_hour_micro_usd > 0 and not p.min_tokens_per_s > 0,
+             "a GPU-hour price needs min_tokens_per_s > 0: the slowest throughput a call is billed at, "
+             "which bounds what a budget reserves"),
         ]
         for field, bad, message in problems:
             if bad:

@@ -4,8 +4,11 @@ Prometheus counters, and the spend summary.
 A record (one per call, in `{vk:<id>}:cost`) carries model, key, tenant, project, prompt_tokens,
 completion_tokens, cost_micro_usd, latency_ms, ttft_ms, status (HTTP status; 499 when the client
 went away; `reaped`), stream, estimated (usage not reported by the engine), priced, late, guarded
-(what the guardrails did) and cache (what the response cache did: hit-exact and hit-semantic cost
-nothing; miss, bypass; empty when no cache policy applied).
+(what the guardrails did), cache (what the response cache did: hit-exact and hit-semantic cost
+nothing; miss, bypass; empty when no cache policy applied), provider (the cost provider that priced
+it: prices, gpu-hour, module:Class; empty on a reaped record), basis (how: gpu-hour's GPUs and
+throughputs; empty for prices) and clamped (micro-USD a clamping provider asked above the
+reservation and was not charged).
 Because settle.lua adds to the key's `spent` and appends the record in one script, the key's spend
 is always the sum of its records' costs (within EXAMLOPS_COST_RETENTION_DAYS).
 """
@@ -32,7 +35,7 @@ OVERRUNS = Counter("examlops_gateway_reservation_overruns_total",
                    "Calls whose real cost exceeded their reservation (the prompt bound failed).", ["model"])
 REAPED = Counter("examlops_gateway_reservations_reaped_total", "Reservations returned by this replica's reaper.")
 
-GROUPS = ("key", "project", "model", "tenant")
+GROUPS = ("key", "project", "model", "tenant", "provider")
 
 
 def count(model: str, project: str, status: str, prompt: int, completion: int, cost_micro: int) -> None:
@@ -65,13 +68,15 @@ async def spend_summary(r: redis.Redis, key_ids: list[str], group_by: str, since
         async for rec in records(r, key_id, since_ms):
             name = rec.get(group_by, "")
             g = groups.setdefault(name, {group_by: name, "requests": 0, "errors": 0, "prompt_tokens": 0,
-                                         "completion_tokens": 0, "cost_micro_usd": 0, "unpriced": 0})
+                                         "completion_tokens": 0, "cost_micro_usd": 0, "unpriced": 0,
+                                         "clamped_micro_usd": 0})
             g["requests"] += 1
             g["errors"] += rec.get("status") != "200"
             g["prompt_tokens"] += int(rec.get("prompt_tokens", 0))
             g["completion_tokens"] += int(rec.get("completion_tokens", 0))
             g["cost_micro_usd"] += int(rec.get("cost_micro_usd", 0))
             g["unpriced"] += rec.get("priced") == "0"
+            g["clamped_micro_usd"] += int(rec.get("clamped") or 0)
     rows = sorted(groups.values(), key=lambda g: (-g["cost_micro_usd"], str(g[group_by])))
     for g in rows:
         g["cost"] = g["cost_micro_usd"] / MICRO

@@ -8,6 +8,8 @@ not answer is retried in the background while the process lives (settle.lua is i
 reservation). Ticket.note_progress(): a long stream notes what it delivered in its reservation
 (progress.lua), which the reaper charges if this replica dies before settling.
 Governor.allowed_models(): key_models.lua, the same key check on the same clock, for /v1/models.
+What a call costs, and what its reservation bounds, is the cost provider's (_provider.py), resolved
+once per process from EXAMLOPS_LLM_COST_PROVIDER.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from typing import Any, Protocol
 
 import redis.asyncio as redis
 
+from examlops.svc import RouteTable
+
 from .._settings import GatewaySettings
 from ._budget import Generation, estimate_prompt_tokens, with_max_tokens
 from ._cost import OVERRUNS, count
 from ._errors import GovernanceUnavailable
 from ._keys import ADMIN_ID, redis_keys
-from ._prices import Price, PriceBook, cost_micro_usd
+from ._prices import MICRO, Price, PriceBook, Rates
+from ._provider import Spent, gpus_of, resolve
 from ._scripts import Admission, ProgressArgs, ReserveArgs, SettleArgs, allowed_models, load_script
+from ._throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +71,7 @@ class Ticket:
     model: str
     body: bytes              # the request body for the engine (max_tokens set when bounded)
     stream: bool
-    price: Price | None
+    price: Price | None      # the registry's entry, as at admission
     prompt_bound: int
     max_tokens: int          # per choice; 0: unbounded
     n: int
@@ -78,6 +84,11 @@ class Ticket:
     guarded: str = ""                  # what the guardrails did (their header's value), for the cost record
     tenant: str = ""                   # the key's tenant ('' for the admin key): the cache's scopes
     cache: str = ""                    # what the response cache did (hit-exact, hit-semantic, miss, bypass)
+    budgeted: bool = False             # the key has a budget: a clamping provider's cost stops at the reservation
+    replica: str = ""                  # the replica that answered (engine-proxy's first message)
+    cost_usd: float | None = None      # the cost written into the cost record, once the call settles
+    rates: Rates | None = None         # the provider's per-token bound the reservation was built from (None: unpriced)
+    gpus: int = 0                      # GPUs of one server, as at admission (0: the provider does not use them)
 
     def first_chunk(self) -> None:
         self.ttft_s = time.perf_counter() - self.started
@@ -105,8 +116,10 @@ class Ticket:
         background), so the reaper charges it if this replica dies or cannot settle."""
         if not self.res_id or self.settled:
             return
-        prompt, completion, _ = self._charge(usage, delivered)
-        args = ProgressArgs(self.res_id, cost_micro_usd(prompt, completion, self.price), prompt, completion)
+        prompt, completion, estimated = self._charge(usage, delivered)
+        tps = self.gov.throughput.last.get((self.model, self.replica), 0.0) if self.gov.throughput else 0.0
+        cost, _ = self._cost(prompt, completion, Spent(time.perf_counter() - self.started, tps, "200", estimated))
+        args = ProgressArgs(self.res_id, cost, prompt, completion)
         self._in_background(self._note(args))
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -135,17 +148,31 @@ class Ticket:
             extra = min(extra, max(0, bound - usage.completion_tokens))
         return usage.prompt_tokens, usage.completion_tokens + extra, extra > 0
 
+    def _cost(self, prompt: int, completion: int, spent: Spent) -> tuple[int, str]:
+        """The provider's cost in micro-USD and its basis; nothing made costs nothing."""
+        if not prompt and not completion:
+            return 0, ""
+        return self.gov.costing.charge(self, prompt, completion, spent)
+
     async def _settle(self, status: str, usage: Usage | None, delivered: int | None) -> None:
         prompt, completion, estimated = self._charge(usage, delivered)
-        cost = cost_micro_usd(prompt, completion, self.price)
-        if cost > self.reserved_micro and not self.caller.admin and self.reserved_micro:
+        latency_ms = round((time.perf_counter() - self.started) * 1000, 2)
+        tps = 0.0
+        if self.gov.throughput is not None and (prompt or completion):
+            tps = await self.gov.throughput.observe(self.model, self.replica, prompt + completion, latency_ms / 1000)
+        cost, basis = self._cost(prompt, completion, Spent(latency_ms / 1000, tps, status, estimated))
+        clamped = 0
+        if cost > self.reserved_micro and not self.caller.admin and (self.reserved_micro or self.budgeted):
             OVERRUNS.labels(self.model).inc()
+            if self.gov.costing.clamps and self.budgeted:  # a budget's guarantee: never past the reservation
+                cost, clamped = self.reserved_micro, cost - self.reserved_micro
+        self.cost_usd = cost / MICRO
         args = SettleArgs(
             res_id=self.res_id, cost_micro=cost, prompt_tokens=prompt, completion_tokens=completion,
             key_id=self.caller.key_id, model=self.model, status=status,
-            latency_ms=round((time.perf_counter() - self.started) * 1000, 2), ttft_ms=round(self.ttft_s * 1000, 2),
-            stream=self.stream, estimated=estimated, priced=self.price is not None, trim_ms=self.gov.trim_ms,
-            guarded=self.guarded, cache=self.cache)
+            latency_ms=latency_ms, ttft_ms=round(self.ttft_s * 1000, 2),
+            stream=self.stream, estimated=estimated, priced=self.rates is not None, trim_ms=self.gov.trim_ms,
+            guarded=self.guarded, cache=self.cache, provider=self.gov.costing.name, basis=basis, clamped=clamped)
         if not await self._record(args, retrying=False):
             # Retried while this process lives (settle.lua answers "duplicate" to a repeat); if it dies
             # first, the reaper charges the last progress note.
@@ -179,8 +206,12 @@ class Ticket:
 class Governor:
     """Admission and settlement of calls, for one gateway replica."""
 
-    def __init__(self, settings: GatewaySettings, client: redis.Redis, prices: PriceBook, replica_id: str) -> None:
+    def __init__(self, settings: GatewaySettings, client: redis.Redis, prices: PriceBook, replica_id: str,
+                 routes: RouteTable | None = None) -> None:
         self.settings, self.redis, self.prices, self.replica_id = settings, client, prices, replica_id
+        self.routes = routes if routes is not None else RouteTable.empty()
+        self.costing = resolve(settings.llm_cost_provider)  # checked when the settings were read
+        self.throughput = Throughput(client, settings.cost_window_s) if self.costing.uses_throughput else None
         self.trim_ms = int(settings.cost_retention_days * 86_400_000)
         self.lease_ms = int((settings.request_timeout_s + settings.reservation_grace_s) * 1000)
         self.reserve_script = load_script(client, "reserve.lua")
@@ -193,19 +224,23 @@ class Governor:
         """Reserve the call's maximum cost and rate-limit room; raises Denied or GovernanceUnavailable."""
         model = req.model
         price = self.prices.get(model)
+        costing = self.costing
+        gpus = gpus_of(self.routes.get(model), price) if costing.uses_gpus else 0
+        rates = costing.rates(price, gpus, model, caller.key_id)
         n = req.choices
         if caller.admin:
             return Ticket(gov=self, caller=caller, res_id="", model=model, body=raw, stream=req.stream, price=price,
-                          prompt_bound=0, max_tokens=0, n=n, reserved_micro=0, project="", started=started)
+                          rates=rates, gpus=gpus, prompt_bound=0, max_tokens=0, n=n, reserved_micro=0, project="",
+                          started=started)
         s = self.settings
         prompt = estimate_prompt_tokens(raw, getattr(req, "messages", None), s.prompt_overhead_tokens,
                                         s.media_part_tokens)
         asked = req.output_limit
         args = ReserveArgs(
             key_hash=caller.key_hash, model=model, res_id=secrets.token_hex(8), replica_id=self.replica_id,
-            prompt_tokens=prompt, prompt_cost=prompt * price.input_micro_per_mtok if price else 0,
-            output_rate=n * price.output_micro_per_mtok if price else 0, n=n, max_tokens_asked=asked,
-            default_max_tokens=s.default_max_tokens, priced=price is not None, lease_ms=self.lease_ms)
+            prompt_tokens=prompt, prompt_cost=prompt * rates.input_micro_per_mtok if rates else 0,
+            output_rate=n * rates.output_micro_per_mtok if rates else 0, n=n, max_tokens_asked=asked,
+            default_max_tokens=s.default_max_tokens, priced=rates is not None, lease_ms=self.lease_ms)
         try:
             reply = await self.reserve_script(keys=redis_keys(caller.key_id)[:2], args=args.argv())
         except redis.RedisError as exc:
@@ -215,9 +250,18 @@ class Governor:
         if adm.bounded and n and (not req.output_limit_sent or adm.max_tokens < asked):  # n 0: no output
             body = with_max_tokens(raw, adm.max_tokens)
         return Ticket(gov=self, caller=caller, res_id=args.res_id, model=model, body=body, stream=req.stream,
-                      price=price, prompt_bound=prompt, max_tokens=adm.max_tokens if adm.bounded else asked, n=n,
+                      price=price, rates=rates, gpus=gpus, prompt_bound=prompt,
+                      max_tokens=adm.max_tokens if adm.bounded else asked, n=n,
                       reserved_micro=adm.reserved_micro, project=adm.project, tenant=adm.tenant, started=started,
-                      guardrails=adm.guardrails)
+                      guardrails=adm.guardrails, budgeted=adm.budgeted)
+
+    def admin_ticket(self, route: str, body: bytes, started: float, guarded: str = "") -> Ticket:
+        """A call the gateway makes for itself (a guardrail judge), on the admin key's record."""
+        price = self.prices.get(route)
+        gpus = gpus_of(self.routes.get(route), price) if self.costing.uses_gpus else 0
+        return Ticket(gov=self, caller=Caller(ADMIN_ID), res_id="", model=route, body=body, stream=False,
+                      price=price, rates=self.costing.rates(price, gpus, route, ADMIN_ID), gpus=gpus, prompt_bound=0,
+                      max_tokens=0, n=1, reserved_micro=0, project="", started=started, guarded=guarded)
 
     async def allowed_models(self, caller: Caller) -> set[str] | None:
         """None for the admin key; a virtual key's allow-list once the key checks out (else Denied)."""

@@ -14,6 +14,7 @@ import logging
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -29,13 +30,30 @@ MICRO = 1_000_000  # micro-USD per USD; every amount of money is an integer numb
 class Price:
     input_micro_per_mtok: int    # micro-USD per million prompt tokens
     output_micro_per_mtok: int   # micro-USD per million completion tokens
+    gpu_hour_micro: int = 0      # micro-USD per GPU-hour (the gpu-hour cost provider); 0: none
+    gpus: int = 0                # GPUs of one server; 0: the endpoint's engine block (TP x PP)
+    min_tokens_per_s: float = 0.0  # the slowest throughput a call is billed at (> 0 with gpu_hour_micro)
+
+    @property
+    def per_token(self) -> bool:
+        """A per-token price: any entry but one that holds only a GPU-hour price."""
+        return bool(self.input_micro_per_mtok or self.output_micro_per_mtok or not self.gpu_hour_micro)
+
+
+class Rates(Protocol):
+    """Per-token rates a cost or a reservation is computed from (a Price, or a provider's bound)."""
+
+    @property
+    def input_micro_per_mtok(self) -> int: ...
+    @property
+    def output_micro_per_mtok(self) -> int: ...
 
 
 def usd_to_micro(usd: float) -> int:
     return round(usd * MICRO)
 
 
-def cost_micro_usd(prompt_tokens: int, completion_tokens: int, price: Price | None) -> int:
+def cost_micro_usd(prompt_tokens: int, completion_tokens: int, price: Rates | None) -> int:
     """Exact integer cost, rounded up to the next micro-USD (never under-charged); 0 when unpriced."""
     if price is None:
         return 0
@@ -64,7 +82,8 @@ class PriceBook:
 
 
 def _price(p: reg.Price) -> Price:
-    return Price(p.input_micro_usd_per_mtok, p.output_micro_usd_per_mtok)
+    return Price(p.input_micro_usd_per_mtok, p.output_micro_usd_per_mtok, p.gpu_hour_micro_usd, p.gpus,
+                 p.min_tokens_per_s)
 
 
 async def follow_prices(registry: reg_grpc.RegistryStub, book: PriceBook, resync_s: float) -> None:

@@ -86,11 +86,14 @@ class SettleArgs:
     trim_ms: int                # trim cost records older than this (0: keep all)
     guarded: str = ""           # what the guardrails did ('' : nothing fired)
     cache: str = ""             # what the response cache did ('': no cache policy applied)
+    provider: str = "prices"    # the cost provider (EXAMLOPS_LLM_COST_PROVIDER)
+    basis: str = ""             # how the provider computed the cost ('' for prices)
+    clamped: int = 0            # micro-USD the provider asked above the reservation, not charged
 
     def argv(self) -> list[str | int | float]:
         return [self.res_id, self.cost_micro, self.prompt_tokens, self.completion_tokens, self.key_id, self.model,
                 self.status, self.latency_ms, self.ttft_ms, int(self.stream), int(self.estimated), int(self.priced),
-                self.trim_ms, self.guarded, self.cache]
+                self.trim_ms, self.guarded, self.cache, self.provider, self.basis, self.clamped]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ class Admission:
     project: str
     bounded: bool               # the key has a budget or a TPM: max_tokens must reach the engine
     guardrails: tuple[str, ...] = ()  # the key's guardrail policies
+    budgeted: bool = False      # the key has a budget
 
     @classmethod
     def from_reply(cls, reply: Reply, key_id: str, model: str) -> Admission:
@@ -123,7 +127,8 @@ class Admission:
         if reply[0] != "ok":
             raise refusal(reply, key_id, model)
         return cls(max_tokens=int(reply[1]), reserved_micro=int(reply[2]), tenant=reply[3], project=reply[4],
-                   bounded=reply[5] == "1", guardrails=tuple(n for n in reply[6].split(",") if n))
+                   bounded=reply[5] == "1", guardrails=tuple(n for n in reply[6].split(",") if n),
+                   budgeted=reply[7] == "1")
 
 
 def allowed_models(reply: Reply, key_id: str) -> set[str]:

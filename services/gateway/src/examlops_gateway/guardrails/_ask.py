@@ -11,16 +11,14 @@ import grpc
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
-from ..governance import ADMIN_ID, Caller, Governor, Ticket
+from ..governance import Governor
 from ._judge import Ask
 
 
 def engine_proxy_ask(engine_proxy: Any, governor: Governor) -> Ask:
     async def ask(route: str, body: bytes, timeout_s: float) -> bytes:
         started = time.perf_counter()
-        ticket = Ticket(gov=governor, caller=Caller(ADMIN_ID), res_id="", model=route, body=body, stream=False,
-                        price=governor.prices.get(route), prompt_bound=0, max_tokens=0, n=1, reserved_micro=0,
-                        project="", started=started, guarded="judge")
+        ticket = governor.admin_ticket(route, body, started, guarded="judge")
         call = engine_proxy.Generate(pb.GenerateRequest(endpoint=route, kind=pb.REQUEST_KIND_CHAT, body_json=body),
                                      timeout=timeout_s)
         try:

@@ -55,7 +55,7 @@ end
 -- `trim_ms` (0: keep all). `rec` names every field of COST_FIELDS.
 local COST_FIELDS = {'model', 'key', 'tenant', 'project', 'prompt_tokens', 'completion_tokens', 'cost_micro_usd',
                      'latency_ms', 'ttft_ms', 'status', 'stream', 'estimated', 'priced', 'late', 'guarded',
-                     'cache'}
+                     'cache', 'provider', 'basis', 'clamped'}
 local function append_cost(stream, trim_ms, now, rec)
   local args = {'XADD', stream}
   if num(trim_ms) > 0 then

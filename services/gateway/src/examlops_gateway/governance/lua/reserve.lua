@@ -11,7 +11,8 @@
 --       7 n x output micro-USD per Mtok    8 n (choices; 0: no output, an embedding)
 --       9 max_tokens asked (0: none)
 --      10 max_tokens when none is asked and the key is bounded  11 priced (1/0)  12 lease in ms
--- Returns {"ok", max_tokens, reserved micro-USD, tenant, project, bounded (1/0), guardrails (",a,b,")}
+-- Returns {"ok", max_tokens, reserved micro-USD, tenant, project, bounded (1/0), guardrails (",a,b,"),
+--          budgeted (1/0)}
 --      or {"deny", code, detail}         (decoded by _scripts.Admission.from_reply)
 -- Money is integer micro-USD.
 
@@ -27,7 +28,8 @@ local seen = redis.call('HGET', KEYS[2], ARGV[3])
 if seen then
   local r = reservation(seen)
   local bounded = (num(f[5]) >= 0 or num(f[10]) > 0) and '1' or '0'
-  return {'ok', r.max_tokens, int(r.cost), f[12] or '', f[13] or '', bounded, f[14] or ''}
+  return {'ok', r.max_tokens, int(r.cost), f[12] or '', f[13] or '', bounded, f[14] or '',
+          num(f[5]) >= 0 and '1' or '0'}
 end
 
 local budget, rpm, tpm = num(f[5]), num(f[8]), num(f[10])
@@ -86,4 +88,5 @@ if tpm > 0 then redis.call('HSET', KEYS[1], 'tpm_tat', string.format('%.3f', tpm
 if cost > 0 then redis.call('HINCRBY', KEYS[1], 'reserved', int(cost)) end
 redis.call('HSET', KEYS[2], ARGV[3], table.concat({int(cost), int(tokens), string.format('%.6f', per_token),
   string.format('%.3f', tpm_tat), ARGV[4], int(now + num(ARGV[12])), ARGV[2], int(m)}, '|'))
-return {'ok', int(m), int(cost), f[12] or '', f[13] or '', bounded and '1' or '0', f[14] or ''}
+return {'ok', int(m), int(cost), f[12] or '', f[13] or '', bounded and '1' or '0', f[14] or '',
+        budget >= 0 and '1' or '0'}

@@ -8,6 +8,8 @@
 --       9 time to first chunk ms   10 stream (1/0)   11 usage estimated (1/0)   12 priced (1/0)
 --      13 trim records older than this many ms (0: keep all)   14 what the guardrails did ('': nothing)
 --      15 what the response cache did (hit-exact, hit-semantic, miss, bypass; '': no cache policy)
+--      16 the cost provider (prices, gpu-hour, module:Class)   17 its basis ('' for prices)
+--      18 micro-USD the provider asked above the reservation and was not charged (clamped)
 -- Returns {"ok", tenant, project} or {"duplicate"} when this reservation was settled already (a
 -- retried settle whose first reply was lost), so the gateway may retry until Redis answers.
 --
@@ -49,5 +51,6 @@ append_cost(KEYS[3], ARGV[13], now, {
   model = ARGV[6], key = ARGV[5], tenant = tp[1] or '', project = tp[2] or '', prompt_tokens = int(prompt),
   completion_tokens = int(completion), cost_micro_usd = int(cost), latency_ms = ARGV[8], ttft_ms = ARGV[9],
   status = ARGV[7], stream = ARGV[10], estimated = ARGV[11], priced = ARGV[12], late = late,
-  guarded = ARGV[14] or '', cache = ARGV[15] or ''})
+  guarded = ARGV[14] or '', cache = ARGV[15] or '', provider = ARGV[16] or '', basis = ARGV[17] or '',
+  clamped = ARGV[18] or '0'})
 return {'ok', tp[1] or '', tp[2] or ''}
