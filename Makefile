@@ -36,8 +36,11 @@ system-deps: ## Install Redis (Debian package), when missing: all the local stac
 	@command -v redis-server >/dev/null || $(call quietly,echo "==> Installing redis-server (Debian package; log: $(DEPS_LOG))"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 
-test-deps: system-deps ## Install Slurm, munge and an SSH server for the launcher tests (Debian packages), when missing
+test-deps: system-deps ## Install Slurm, munge, an SSH server and Prometheus (promtool) for the tests (Debian packages), when missing
 	@$(call quietly,bash scripts/slurm-local.sh install && bash scripts/sshd-local.sh install)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || $(call quietly,echo "==> Installing prometheus \
+	  (Debian package: the server and promtool; log: $(DEPS_LOG))"; $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
 
 vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 and MiniLM model folders
 	@bash scripts/vllm-env.sh >/dev/null

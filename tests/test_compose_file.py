@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from examlops.engine import find_model, parse_engine_block, render_vllm_command
 from examlops.svc import DEFAULT_ADMIN_KEY, DEFAULT_PORTS, parse_tokens
 from examlops_testsupport.deploy import DEPENDS_ON, GRPC_SERVICES, ROOT, SERVICES, tool
+
+OBSERVABILITY = ("prometheus", "grafana")
 
 
 def compose(*args: str, model: str | None = None, env_file: str = os.devnull) -> subprocess.CompletedProcess[str]:
@@ -76,13 +79,13 @@ def test_compose_profiles_are_vllm_and_vllm_cpu() -> None:
 
 
 def test_default_profile_is_the_cpu_stack(default_stack: dict[str, Any]) -> None:
-    assert set(default_stack["services"]) == {"redis", *SERVICES}
-    assert set(default_stack["volumes"]) >= {"redis_data"}
+    assert set(default_stack["services"]) == {"redis", *SERVICES, *OBSERVABILITY}
+    assert set(default_stack["volumes"]) >= {"redis_data", "prometheus_data", "grafana_data"}
 
 
 def test_every_service_has_a_healthcheck() -> None:
     everything = compose_config("*")
-    assert {"vllm", "vllm-cpu", "redis", *SERVICES} <= set(everything["services"])
+    assert {"vllm", "vllm-cpu", "redis", *SERVICES, *OBSERVABILITY} <= set(everything["services"])
     for name, svc in everything["services"].items():
         check = svc.get("healthcheck") or {}
         assert check.get("test") and not check.get("disable"), f"{name} has no healthcheck"
@@ -275,3 +278,59 @@ def test_compose_env_writes_fresh_secrets_the_stack_reads(tmp_path: Path) -> Non
     assert env_file.read_text() == first
     ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT, timeout=30)
     assert ignored.returncode == 0, ".env is not gitignored"
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, tuple[Path, bool]]:
+    """container path -> (host path, read-only) of a service's bind mounts."""
+    return {v["target"]: (Path(v["source"]), bool(v.get("read_only"))) for v in svc["volumes"] if v["type"] == "bind"}
+
+
+def test_observability_images_are_pinned_and_published_on_loopback(default_stack: dict[str, Any]) -> None:
+    for name, port in (("prometheus", 9090), ("grafana", 3000)):
+        svc = default_stack["services"][name]
+        image, _, tag = svc["image"].rpartition(":")
+        assert image in ("prom/prometheus", "grafana/grafana") and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), svc["image"]
+        assert [(p["host_ip"], p["target"]) for p in svc["ports"]] == [("127.0.0.1", port)]
+        assert svc["restart"] == "unless-stopped"
+
+
+def test_prometheus_runs_the_shipped_config_and_rules(default_stack: dict[str, Any]) -> None:
+    svc = default_stack["services"]["prometheus"]
+    assert _mounts(svc)["/etc/prometheus"] == (ROOT / "observability" / "prometheus", True)
+    assert "--config.file=/etc/prometheus/prometheus.yml" in svc["command"]
+    assert any(v["type"] == "volume" and v["target"] == "/prometheus" for v in svc["volumes"])
+    assert "--storage.tsdb.path=/prometheus" in svc["command"]
+    assert "/-/ready" in svc["healthcheck"]["test"][-1]
+
+
+def test_prometheus_jobs_name_compose_services_on_the_ports_they_serve() -> None:
+    services = compose_config("*")["services"]
+    jobs = {j["job_name"]: j for j in yaml.safe_load((ROOT / "observability/prometheus/prometheus.yml").read_text())
+            ["scrape_configs"]}
+    for name in SERVICES:
+        (target,) = jobs[name]["static_configs"][0]["targets"]
+        host, port = target.split(":")
+        assert host in services, target
+        # The gateway serves /metrics on its own port; the gRPC images set EXAMLOPS_METRICS_PORT=9090.
+        assert int(port) == (DEFAULT_PORTS["gateway"] if name == "gateway" else 9090), target
+    dockerfile = (ROOT / "services" / "Dockerfile").read_text()
+    assert "ENV EXAMLOPS_METRICS_PORT=9090" in dockerfile
+    for sd in jobs["vllm"]["dns_sd_configs"]:
+        for host in sd["names"]:
+            argv = " ".join(services[host]["command"]).replace("=", " ")
+            assert f"--port {sd['port']}" in argv, (host, sd)
+
+
+def test_grafana_is_provisioned_from_the_repository(default_stack: dict[str, Any]) -> None:
+    svc = default_stack["services"]["grafana"]
+    mounts = _mounts(svc)
+    provisioning = "/etc/grafana/provisioning"
+    for target, (source, read_only) in mounts.items():
+        assert read_only and source.exists() and source.is_relative_to(ROOT / "observability" / "grafana"), target
+    datasources = yaml.safe_load(mounts[f"{provisioning}/datasources/prometheus.yml"][0].read_text())
+    assert datasources["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load(mounts[f"{provisioning}/dashboards/examlops.yml"][0].read_text())["providers"][0]
+    dashboards, _ = mounts[provider["options"]["path"]]
+    assert list(dashboards.glob("*.json")), dashboards
+    assert svc["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert svc["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"  # viewing only, without a login

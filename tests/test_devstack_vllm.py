@@ -80,7 +80,9 @@ def test_make_up_serves_smollm2_and_minilm_and_down_stops_an_engine_core_after_a
             assert reply.usage is not None and reply.usage.completion_tokens > 0
         vectors = client.embeddings.create(model="minilm", input=["A cat sits on the mat.", "Stocks fell."])
         assert [len(d.embedding) for d in vectors.data] == [384, 384] and vectors.usage.prompt_tokens > 0
-        assert json.loads(_devstack(run, offset, "status", "--json").stdout)[-1] == {
+        rows = {r["part"]: r for r in json.loads(_devstack(run, offset, "status", "--json").stdout)}
+        assert rows["prometheus"]["healthy"] and rows["prometheus"]["address"] == ports.prometheus_url
+        assert rows["minilm"] == {
             "part": "minilm", "pid": run.pid("minilm"), "healthy": True, "address": f"http://127.0.0.1:{ports.minilm}",
             "log": str(run.logs / "minilm.log")}
 

@@ -135,6 +135,29 @@ def test_shared_config_addresses_resolve_to_rendered_services(rendered: list[dic
             assert refs == [config["metadata"]["name"]], name
 
 
+def test_every_service_pod_is_annotated_for_prometheus_on_a_port_it_serves_and_anyone_may_reach(
+        rendered: list[dict[str, Any]]) -> None:
+    """The scrape annotations (k8s/README.md's Prometheus job) name a declared container port that
+    serves /metrics (the gateway's HTTP port, EXAMLOPS_METRICS_PORT elsewhere), and the pod's
+    NetworkPolicy admits any pod on it, so Prometheus may run in any namespace."""
+    [config] = objects(rendered, "ConfigMap").values()
+    policies = objects(rendered, "NetworkPolicy")
+    shipped = yaml.safe_load((ROOT / "observability" / "prometheus" / "prometheus.yml").read_text())
+    job_names = {job["job_name"] for job in shipped["scrape_configs"]}
+    for name, deployment in objects(rendered, "Deployment").items():
+        template = deployment["spec"]["template"]
+        notes = template["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/path"] == "/metrics", name
+        ports = {p["containerPort"]: p["name"] for p in one_container(deployment)["ports"]}
+        port = int(notes["prometheus.io/port"])
+        expected = DEFAULT_PORTS["gateway"] if name == "gateway" else int(config["data"]["EXAMLOPS_METRICS_PORT"])
+        assert port == expected and port in ports, (name, ports)
+        open_to_all = [rule for rule in policies[name]["spec"]["ingress"] if not rule.get("from")]
+        assert any({"port": ports[port]} in rule["ports"] for rule in open_to_all), name
+        # The README's job labels each pod by its name: the shipped rules' job names.
+        assert template["metadata"]["labels"]["app.kubernetes.io/name"] == name in job_names
+
+
 def test_redis_is_a_statefulset_with_a_claim_and_a_headless_service(rendered: list[dict[str, Any]]) -> None:
     [config] = objects(rendered, "ConfigMap").values()
     redis, svc = objects(rendered, "StatefulSet")["redis"], objects(rendered, "Service")["redis"]

@@ -42,6 +42,7 @@ from .cache import CacheBook, CacheStage, SemanticIndex, embed
 from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices
 from .guardrails import GuardrailBook, GuardStage, engine_proxy_ask
 from .http import (
+    StateDep,
     admin_router,
     block_auditor,
     cache_admin_router,
@@ -138,7 +139,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     install_openapi(app)
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
+    async def metrics(state: StateDep) -> Response:
+        await state.redis_ping.ok()  # the governance store's gauge as of this scrape
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -8,6 +8,8 @@
   second; and the route table and the price table have synced from the registry.
   A 503 names what is missing in `failing` (`redis`, `route_table`, `prices`).
 - `/healthz` is `/readyz`, kept for the tools and probes that already use it.
+- `examlops_gateway_governance_store_up` (1/0) is the answer of the last PING; `/metrics` asks for
+  one first, so each scrape sees Redis as it is (alert GatewayGovernanceStoreUnreachable).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import orjson
 import redis.asyncio as redis
 from fastapi import APIRouter
+from prometheus_client import Gauge
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException
@@ -30,6 +33,8 @@ from .http import StateDep
 
 PING_TIMEOUT_S = 0.5
 PING_CACHE_S = 1.0
+GOVERNANCE_STORE_UP = Gauge("examlops_gateway_governance_store_up",
+                            "1 when the governance store (Redis) answered this replica's last PING, else 0.")
 
 
 class RedisPing:
@@ -50,6 +55,7 @@ class RedisPing:
                 except (redis.RedisError, RedisClusterException, OSError, TimeoutError):
                     self._ok = False
                 self._until = time.monotonic() + PING_CACHE_S
+                GOVERNANCE_STORE_UP.set(1 if self._ok else 0)
             return self._ok
 
     async def aclose(self) -> None:

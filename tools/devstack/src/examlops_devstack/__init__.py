@@ -4,7 +4,16 @@ Developer tooling: installed in the development environment, never in a service 
 """
 
 from ._procs import Proc, free_port, group_members, http_ok, spawn, stop_group, wait_grpc, wait_http
+from ._prometheus import (
+    OBSERVABILITY_DIR,
+    PROMETHEUS_INSTALL_HINT,
+    local_targets,
+    prometheus_argv,
+    render_local_config,
+    wait_prometheus_ready,
+)
 from ._stack import SERVICES, StackPorts, StackTokens, service_argv, service_env, stack_tokens
 
-__all__ = ["SERVICES", "Proc", "StackPorts", "StackTokens", "free_port", "group_members", "http_ok", "service_argv",
-           "service_env", "spawn", "stack_tokens", "stop_group", "wait_grpc", "wait_http"]
+__all__ = ["OBSERVABILITY_DIR", "PROMETHEUS_INSTALL_HINT", "SERVICES", "Proc", "StackPorts", "StackTokens", "free_port",
+           "group_members", "http_ok", "local_targets", "prometheus_argv", "render_local_config", "service_argv",
+           "service_env", "spawn", "stack_tokens", "stop_group", "wait_grpc", "wait_http", "wait_prometheus_ready"]

@@ -34,12 +34,18 @@ class StackPorts:
     services: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
     vllm: int = 8000      # SmolLM2 (generation)
     minilm: int = 8001    # all-MiniLM-L6-v2 (embeddings); the sample pack's minilm.yaml says the same
+    #: gRPC service -> its Prometheus /metrics port (EXAMLOPS_METRICS_PORT); a service not listed has none.
+    metrics: dict[str, int] = field(default_factory=dict)
+    #: make up's Prometheus (9090 is left to a system one: Debian's package starts it where systemd runs).
+    prometheus: int = 9099
 
     @classmethod
     def with_offset(cls, offset: int) -> StackPorts:
-        """The default ports shifted by `offset`, for a second stack beside the first."""
+        """The default ports shifted by `offset`, for a second stack beside the first; each gRPC
+        service's metrics port is its own port + 10 (50061-50064)."""
         return cls(redis=6379 + offset, services={k: v + offset for k, v in DEFAULT_PORTS.items()},
-                   vllm=8000 + offset, minilm=8001 + offset)
+                   vllm=8000 + offset, minilm=8001 + offset, prometheus=9099 + offset,
+                   metrics={k: v + 10 + offset for k, v in DEFAULT_PORTS.items() if k != "gateway"})
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.services[name]}"
@@ -51,6 +57,15 @@ class StackPorts:
     @property
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.services['gateway']}"
+
+    @property
+    def prometheus_url(self) -> str:
+        return f"http://127.0.0.1:{self.prometheus}"
+
+    def metrics_env(self, name: str) -> dict[str, str]:
+        """EXAMLOPS_METRICS_PORT of the process that serves `name` (not in service_env: a second
+        process started from a service's environment would find the port taken)."""
+        return {"EXAMLOPS_METRICS_PORT": str(self.metrics[name])} if name in self.metrics else {}
 
 
 #: Services that call other services, each with its own token (the others only answer).

@@ -1,7 +1,8 @@
 """`make up` / `make down` / `make status`: the whole stack as background processes.
 
 State lives in `.run/` of the checkout: one pid file per part it started, logs in `.run/logs/`,
-Redis data in `.run/redis/`. `up` starts only what is down; `down` stops exactly what `up` started.
+Redis data in `.run/redis/`, Prometheus' configuration and data in `.run/prometheus/`. `up` starts
+only what is down; `down` stops exactly what `up` started.
 
 Each part runs in its own session, so its pid is also its process group id, and every process of it
 carries EXAMLOPS_RUN_DIR=<run dir> in its environment. A part is stopped as a whole group (vLLM's
@@ -21,13 +22,16 @@ from pathlib import Path
 from examlops.svc import DEFAULT_ADMIN_KEY, blocking_channel, tracing_config
 
 from ._procs import Proc, grpc_serving, http_ok, spawn, wait_grpc, wait_http
+from ._prometheus import start_prometheus
 from ._rundir import BOLD, GREEN, RED, RESET, RunDir, say
 from ._servers import ModelServer, model_servers, spawn_server, wait_servers
 from ._stack import SERVICES, StackPorts, StackTokens, service_argv, service_env, stack_tokens
 
 #: The vLLM servers of engine vllm: SmolLM2 (generation) and MiniLM (embeddings).
 MODEL_PARTS = ["vllm", "minilm"]
-PARTS = ["redis", *SERVICES, *MODEL_PARTS]
+#: Optional parts: `up` carries on without them, `status` does not fail for them.
+EXTRA_PARTS = [*MODEL_PARTS, "prometheus"]
+PARTS = ["redis", *SERVICES, *EXTRA_PARTS]
 __all__ = ["PARTS", "RunDir", "down", "status", "up"]
 
 
@@ -43,6 +47,8 @@ def healthy(part: str, ports: StackPorts) -> bool:
         return http_ok(ports.gateway_url + "/healthz")
     if part in MODEL_PARTS:
         return http_ok(f"http://127.0.0.1:{_model_port(part, ports)}/health")
+    if part == "prometheus":
+        return http_ok(ports.prometheus_url + "/-/ready")
     return grpc_serving(ports.addr(part))
 
 
@@ -123,8 +129,8 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
             if part == "redis":
                 proc = start_redis(run, ports)
             else:
-                proc = spawn(part, service_argv(part), {**service_env(part, ports, tokens=tokens), **run.env},
-                             run.logs / f"{part}.log")
+                env = {**service_env(part, ports, tokens=tokens), **ports.metrics_env(part), **run.env}
+                proc = spawn(part, service_argv(part), env, run.logs / f"{part}.log")
                 run.record(part, proc)
                 if part == "gateway":
                     wait_http(ports.gateway_url + "/healthz", 60, proc)
@@ -140,13 +146,14 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
         if vllm_venv is None or model_dir is None or minilm_dir is None:
             raise SystemExit("engine vllm needs --vllm-venv, --model-dir and --minilm-dir (make up passes them)")
         start_model_servers(run, model_servers(ports, model_dir, minilm_dir), vllm_venv)
+    prometheus = start_prometheus(run, ports, engine)
     model = _register(ports, engine, tokens)
     answer, took = _first_answer(ports, model)
     say(f"stack up in {time.monotonic() - started:.0f} s; {model} answered through the gateway in {took:.2f} s: "
         f"{answer!r}")
     dimensions, took = _first_embedding(ports)
     say(f"{EMBEDDING_ROUTE} embedded through the gateway in {took:.2f} s: {dimensions} dimensions")
-    _usage(ports, model)
+    _usage(ports, model, prometheus)
 
 
 #: The embedding route `make up` serves, and the route `exa rag query` generates on by default.
@@ -214,7 +221,7 @@ def _first_embedding(ports: StackPorts) -> tuple[int, float]:
     return len(answer["data"][0]["embedding"]), took  # type: ignore[index]
 
 
-def _usage(ports: StackPorts, model: str) -> None:
+def _usage(ports: StackPorts, model: str, prometheus: str | None) -> None:
     url, key = ports.gateway_url, DEFAULT_ADMIN_KEY
     exa = Path(sys.executable).parent / "exa"
     on_path = shutil.which("exa")
@@ -242,8 +249,15 @@ def _usage(ports: StackPorts, model: str) -> None:
   {exa} serve llm chat {model} -m "Hello" --stream
   {exa} gateway chat {model} --message "Hello"
 
+{_prometheus_line(prometheus)}
 Logs: {Path('.run/logs').resolve()}/   status: make status   stop: make down
 """)
+
+
+def _prometheus_line(url: str | None) -> str:
+    if url is None:
+        return "Prometheus: not installed (apt-get install prometheus), so no metrics or alerts"
+    return f"Prometheus {url}  (alerts: {url}/alerts, targets: {url}/targets; rules: observability/prometheus/)"
 
 
 def down(run: RunDir) -> None:
@@ -266,7 +280,8 @@ def status(run: RunDir, ports: StackPorts, as_json: bool) -> int:
         pid = run.pid(part)
         ok = healthy(part, ports)
         where = {"redis": ports.redis_url, "gateway": ports.gateway_url, "vllm": f"http://127.0.0.1:{ports.vllm}",
-                 "minilm": f"http://127.0.0.1:{ports.minilm}"}.get(part) or ports.addr(part)
+                 "minilm": f"http://127.0.0.1:{ports.minilm}", "prometheus": ports.prometheus_url}.get(part) \
+            or ports.addr(part)
         rows.append({"part": part, "pid": pid, "healthy": ok, "address": where,
                      "log": str(run.logs / f"{part}.log")})
     if as_json:
@@ -275,5 +290,5 @@ def status(run: RunDir, ports: StackPorts, as_json: bool) -> int:
         for r in rows:
             mark = f"{GREEN}up{RESET}  " if r["healthy"] else f"{RED}down{RESET}"
             sys.stdout.write(f"{r['part']:<13} {mark} pid {r['pid'] or '-':<8} {r['address']}\n")
-    core = [r for r in rows if r["part"] not in MODEL_PARTS]
+    core = [r for r in rows if r["part"] not in EXTRA_PARTS]
     return 0 if all(r["healthy"] for r in core) else 1

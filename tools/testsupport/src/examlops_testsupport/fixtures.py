@@ -99,7 +99,8 @@ class Stack:
         return RedisCluster(startup_nodes=[ClusterNode(h, int(p)) for h, p in seeds], decode_responses=True)
 
     def start(self, name: str) -> Proc:
-        proc = spawn(name, service_argv(name), self.env(name), self.workdir / f"{name}.log")
+        proc = spawn(name, service_argv(name), {**self.env(name), **self.ports.metrics_env(name)},
+                     self.workdir / f"{name}.log")
         self.procs[name] = proc
         if name == "gateway":
             wait_http(self.gateway_url + "/healthz", 30, proc)
@@ -150,7 +151,8 @@ class Stack:
 def running_stack(workdir: Path, redis_server: RedisServer | RedisClusterServer,
                   extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
     """The five services on free ports, on `redis_server` (a single Redis or a Redis Cluster)."""
-    ports = StackPorts(redis=redis_server.port, services={n: free_port() for n in SERVICES})
+    ports = StackPorts(redis=redis_server.port, services={n: free_port() for n in SERVICES},
+                       metrics={n: free_port() for n in SERVICES if n != "gateway"})  # gateway: /metrics on its port
     env = {"EXAMLOPS_REDIS_URL": redis_server.url, **(extra_env or {})}
     stack = Stack(ports, workdir, stack_tokens(workdir, TEST_OPERATOR), extra_env=env)
     try:
@@ -175,7 +177,8 @@ def wait_until(check: object, timeout_s: float = 5.0, interval_s: float = 0.02, 
 
 def ports_free(ports: StackPorts) -> bool:
     """No listener on any port of a stack's set (before `make up` is run on shifted ports)."""
-    for port in [ports.redis, ports.vllm, ports.minilm, *ports.services.values()]:
+    for port in [ports.redis, ports.vllm, ports.minilm, ports.prometheus, *ports.services.values(),
+                 *ports.metrics.values()]:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return False
