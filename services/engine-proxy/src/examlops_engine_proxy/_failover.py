@@ -9,6 +9,11 @@ event inside a stream. Once a chunk has been yielded, a failure propagates: the 
 gateway) ends the stream with an error event. When every replica tried failed, PoolFailed names
 `endpoint:<model>` and each replica with its error. Only one answer ever reaches the caller, so it
 is charged once.
+
+The first message names the replica that answers; on an endpoint with speculative decoding the
+final message carries the call's SpecDecode (_spec_decode: the answering replica's counters from
+its last scrape before the attempt to a scrape after the last byte, taken before the final message
+is sent).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from ._engines import Generation
 from ._errors import PoolFailed, ReplicaFailed
 from ._replica_set import ReplicaSet
-from ._replicas import Replica
+from ._replicas import Replica, scrape
+from ._spec_decode import SPEC_SCRAPE_TIMEOUT_S, SpecCounters, spec_decode_between
 
 #: Never start an attempt with less time than this left before the deadline.
 MIN_ATTEMPT_S = 0.05
@@ -58,6 +64,7 @@ async def generate_over(pool: ReplicaSet, gen: Generation, key: str | None,
         replica.start(reason)
         chunks = replica.engine.generate(gen)
         try:
+            before = await _spec_window_start(pool, replica)
             try:
                 first = await _first_chunk(chunks, rules)
             except ReplicaFailed as exc:
@@ -75,9 +82,10 @@ async def generate_over(pool: ReplicaSet, gen: Generation, key: str | None,
             else:
                 if replica.base_url:
                     replica.succeeded()
-                yield first
+                first.replica = replica.id
+                yield await _ending(first, replica, before)
                 async for chunk in chunks:
-                    yield chunk
+                    yield await _ending(chunk, replica, before)
                 return
         except ReplicaFailed as exc:  # after the first chunk (or not worth another replica)
             if exc.retryable and replica.base_url:
@@ -91,6 +99,25 @@ async def generate_over(pool: ReplicaSet, gen: Generation, key: str | None,
         if len(failed) >= limit or not candidates or out_of_time:
             raise PoolFailed(_summary(pool, failed, out_of_time))
         replica.moved()
+
+
+async def _spec_window_start(pool: ReplicaSet, replica: Replica) -> SpecCounters | None:
+    """Where the call's speculative-decoding window starts: the replica's last scrape (one now if
+    none has answered yet: the first call on a new pool); None without speculative decoding."""
+    if not pool.spec_decode or not replica.base_url:
+        return None
+    if not replica.scraped:
+        await scrape(replica, SPEC_SCRAPE_TIMEOUT_S)
+    return replica.spec
+
+
+async def _ending(chunk: pb.GenerateChunk, replica: Replica, before: SpecCounters | None) -> pb.GenerateChunk:
+    """The final message gets the call's SpecDecode (a scrape now closes its window)."""
+    if chunk.final and before is not None:
+        spec = spec_decode_between(before, await scrape(replica, SPEC_SCRAPE_TIMEOUT_S))
+        if spec is not None:
+            chunk.spec_decode.CopyFrom(spec)
+    return chunk
 
 
 async def _first_chunk(chunks: AsyncIterator[pb.GenerateChunk], rules: Attempts) -> pb.GenerateChunk:

@@ -74,7 +74,8 @@ class EnginePool:
         key = _engine_key(ep)
         if current is not None and current.key == key:
             if ep.engine not in ADDRESSLESS_ENGINES:
-                current.pool.sync(routable_replicas(ep), routing_of(ep.engine_block_json), self._factory(ep))
+                current.pool.sync(routable_replicas(ep), routing_of(ep.engine_block_json), self._factory(ep),
+                                  _spec_decode(ep))
             current.source = ep
             return current
         entry = self._build(ep, key)
@@ -106,7 +107,7 @@ class EnginePool:
                     f"endpoint {ep.name!r}: vllm-inproc cannot run here ({exc}); answering with the echo engine"))
             return Entry(key, ep, ReplicaSet.single(ep.name, InprocEngine(ep.name, block, served)))
         pool = ReplicaSet(ep.name, routing_of(ep.engine_block_json), self.settings.replica_scrape_interval_s)
-        pool.sync(routable_replicas(ep), pool.policy, self._factory(ep))
+        pool.sync(routable_replicas(ep), pool.policy, self._factory(ep), _spec_decode(ep))
         return Entry(key, ep, pool)
 
     def _factory(self, ep: reg.Endpoint) -> EngineFactory:
@@ -157,6 +158,12 @@ class EnginePool:
 def _block(ep: reg.Endpoint) -> dict[str, Any]:
     data = json.loads(ep.engine_block_json) if ep.engine_block_json else {}
     return data if isinstance(data, dict) else {}
+
+
+def _spec_decode(ep: reg.Endpoint) -> bool:
+    """Whether the endpoint's engine block enables speculative decoding (its calls then carry SpecDecode)."""
+    spec = _block(ep).get("speculative_decoding")
+    return isinstance(spec, dict) and spec.get("enabled") is True
 
 
 def _api_key(ep: reg.Endpoint) -> str:

@@ -34,6 +34,7 @@ class ReplicaSet:
         self.endpoint = endpoint
         self.policy = policy
         self.scrape_interval_s = scrape_interval_s
+        self.spec_decode = False               # the engine block enables speculative decoding
         self.replicas: list[Replica] = []      # routable, in pool order
         self.draining: list[Replica] = []      # left the pool, finishing their requests
         self.router = Router(policy, [])
@@ -47,8 +48,12 @@ class ReplicaSet:
         pool.replicas = [Replica(endpoint, "r0", "", engine)]
         return pool
 
-    def sync(self, wanted: Sequence[reg.Replica], policy: str, make: EngineFactory) -> None:
-        """Match the registry's routable replicas; called on every change of the endpoint's record."""
+    def sync(self, wanted: Sequence[reg.Replica], policy: str, make: EngineFactory, spec_decode: bool = False) -> None:
+        """Match the registry's routable replicas; called on every change of the endpoint's record.
+        Replicas are scraped in the background in pools of two or more (their load, for the router)
+        and on endpoints with speculative decoding (the counters each call's SpecDecode is measured
+        from, _spec_decode)."""
+        self.spec_decode = spec_decode
         current = {(r.id, r.base_url): r for r in self.replicas}
         kept: list[Replica] = []
         for spec in wanted:
@@ -64,7 +69,7 @@ class ReplicaSet:
         if ids_changed or policy != self.policy:
             self.policy = policy
             self.router = Router(policy, [r.id for r in kept])
-        scrape = len(kept) >= 2
+        scrape = len(kept) >= 2 or spec_decode
         for replica in kept:
             watcher = self._watchers.get(replica)
             if watcher is not None and watcher[1] == scrape:

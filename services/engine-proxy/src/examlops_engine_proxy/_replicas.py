@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge
 
 from ._engines import Engine, VllmServerEngine
 from ._engines._vllm_server import NET_ERRORS, net_failure
+from ._spec_decode import SPEC_COUNTERS, SpecCounters
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +46,25 @@ KV_CACHE = Gauge("examlops_engine_replica_kv_cache_usage", "Scraped vllm:kv_cach
 IN_FLIGHT = Gauge("examlops_engine_replica_in_flight", "Requests this proxy has on the replica now.", _LABELS)
 _GAUGES = (RUNNING, WAITING, KV_CACHE, IN_FLIGHT)
 
-#: The load lines of a vLLM (or SGLang) /metrics page; one regex pass, no full Prometheus parse.
+#: The load lines of a vLLM (or SGLang) /metrics page, and vLLM's speculative-decoding counters;
+#: one regex pass, no full Prometheus parse.
 _LOAD_LINE = re.compile(
     rb"^(vllm:num_requests_running|vllm:num_requests_waiting|vllm:kv_cache_usage_perc|vllm:gpu_cache_usage_perc"
-    rb"|sglang:num_running_reqs|sglang:num_queue_reqs|sglang:token_usage)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M)
+    rb"|sglang:num_running_reqs|sglang:num_queue_reqs|sglang:token_usage"
+    rb"|vllm:spec_decode_num_drafts_total|vllm:spec_decode_num_draft_tokens_total"
+    rb"|vllm:spec_decode_num_accepted_tokens_total)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M)
 _FIELD = {b"vllm:num_requests_running": 0, b"sglang:num_running_reqs": 0,
           b"vllm:num_requests_waiting": 1, b"sglang:num_queue_reqs": 1,
-          b"vllm:kv_cache_usage_perc": 2, b"vllm:gpu_cache_usage_perc": 2, b"sglang:token_usage": 2}
+          b"vllm:kv_cache_usage_perc": 2, b"vllm:gpu_cache_usage_perc": 2, b"sglang:token_usage": 2,
+          **{name: 3 + i for i, name in enumerate(SPEC_COUNTERS)}}
 
 
-def parse_load(page: bytes) -> tuple[float, float, float] | None:
+def parse_metrics(page: bytes) -> tuple[tuple[float, float, float] | None, SpecCounters | None]:
     """(running, waiting, kv_cache_usage) of a /metrics page, summed over label sets (the cache
-    usage is the fullest one's); None when the page has none of them."""
-    values = [0.0, 0.0, 0.0]
-    seen = False
+    usage is the fullest one's), and its speculative-decoding counters (summed); each None when
+    the page has none of them."""
+    values = [0.0] * 6
+    seen_load = seen_spec = False
     for match in _LOAD_LINE.finditer(page):
         try:
             value = float(match.group(2))
@@ -68,8 +74,17 @@ def parse_load(page: bytes) -> tuple[float, float, float] | None:
             continue
         i = _FIELD[match.group(1)]
         values[i] = max(values[i], value) if i == 2 else values[i] + value
-        seen = True
-    return (values[0], values[1], values[2]) if seen else None
+        if i < 3:
+            seen_load = True
+        else:
+            seen_spec = True
+    return ((values[0], values[1], values[2]) if seen_load else None,
+            SpecCounters(values[3], values[4], values[5]) if seen_spec else None)
+
+
+def parse_load(page: bytes) -> tuple[float, float, float] | None:
+    """(running, waiting, kv_cache_usage) of a /metrics page (parse_metrics)."""
+    return parse_metrics(page)[0]
 
 
 @dataclass(eq=False, slots=True)
@@ -85,6 +100,8 @@ class Replica:
     waiting: float = 0.0
     kv_cache_usage: float = 0.0
     metrics_at: float = 0.0          # time.monotonic() of the last good scrape; 0.0 never
+    spec: SpecCounters | None = None  # the last scrape's speculative-decoding counters
+    scraped: bool = False            # a scrape answered 200 (spec None then: the server has no such counters)
     draining: bool = False
     failures: int = 0                # in a row
     ejected_until: float = 0.0       # monotonic; 0.0 healthy
@@ -177,21 +194,29 @@ async def _probe(engine: VllmServerEngine) -> str:
     return "" if status == 200 else f"/health answered {status}"
 
 
-async def _scrape(replica: Replica, engine: VllmServerEngine) -> None:
-    """Read the replica's load; a failed scrape only lets its metrics go stale."""
+async def scrape(replica: Replica, timeout_s: float = SCRAPE_TIMEOUT_S) -> SpecCounters | None:
+    """Read the replica's load and speculative-decoding counters (the latter returned); a failed
+    scrape only lets its metrics go stale."""
+    engine = replica.engine
+    assert isinstance(engine, VllmServerEngine)
     try:
-        status, page = await engine.get("/metrics", SCRAPE_TIMEOUT_S)
+        status, page = await engine.get("/metrics", timeout_s)
     except NET_ERRORS as exc:
         log.debug("scrape of %s failed: %s", replica.base_url, net_failure(exc)[1])
-        return
-    load = parse_load(page) if status == 200 else None
+        return None
+    if status != 200:
+        return None
+    load, spec = parse_metrics(page)
     if load is not None:
         replica.set_load(load)
+    replica.spec, replica.scraped = spec, True
+    return spec
 
 
-async def watch_replica(replica: Replica, interval_s: float, scrape: bool) -> None:
-    """The replica's background life: scrape its load (pools of two or more), probe it back when
-    its ejection ends. Runs until cancelled (the replica left the pool)."""
+async def watch_replica(replica: Replica, interval_s: float, scrapes: bool) -> None:
+    """The replica's background life: scrape its load (pools of two or more) and its speculative-
+    decoding counters (endpoints with speculative decoding), probe it back when its ejection ends.
+    Runs until cancelled (the replica left the pool)."""
     engine = replica.engine
     assert isinstance(engine, VllmServerEngine)
     while True:
@@ -205,6 +230,6 @@ async def watch_replica(replica: Replica, interval_s: float, scrape: bool) -> No
                 replica.last_error = why
                 replica.backoff_s = min(replica.backoff_s * 2, EJECT_MAX_S) or EJECT_BASE_S
                 replica.ejected_until = time.monotonic() + replica.backoff_s
-        if scrape:
-            await _scrape(replica, engine)
+        if scrapes:
+            await scrape(replica)
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

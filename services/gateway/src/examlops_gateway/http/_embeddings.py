@@ -87,4 +87,4 @@ async def serve_embeddings(request: Request, state: GatewayState, caller: Caller
     check_request(req, caller.admin, s.max_embedding_inputs)                     # parse: shapes we bound
     ticket = await state.governor.admit(caller, req, raw, started)               # admit: input price only
     await route(state.routes, ticket, task="embed")                              # route: an embed route
-    return await generate(state, pb.REQUEST_KIND_EMBEDDINGS, ticket)             # generate → settle
+    return await generate(state, pb.REQUEST_KIND_EMBEDDINGS, ticket, req=req)    # generate → settle

@@ -1,6 +1,7 @@
 """The route and generate stages: find the endpoint, call engine-proxy.Generate, send the answer
 back (whole or streamed unbuffered), and settle the call when the answer ends, however it ends:
 a stream cut short (the client left, the engine failed) is billed what it delivered (_delivered).
+The engine call is the generation span (_span), which ends when the call is settled.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ..guardrails import Guard, GuardedCall, GuardrailBlocked
 from ._delivered import Delivered
 from ._denials import from_block
 from ._errors import OpenAIError, from_grpc
+from ._span import CLIENT_GONE as GONE_CODE
+from ._span import GenerationSpan
 
 if TYPE_CHECKING:  # structured output's and the cache's hooks on a stream
     from ..cache import StreamTap
@@ -91,16 +94,21 @@ async def route(routes: RouteTable, ticket: Ticket, task: str = "generate") -> N
 
 
 async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: CheckedStream | None = None,
-                   guard: Guard | None = None, tap: StreamTap | None = None, session_id: str = "") -> Response:
+                   guard: Guard | None = None, tap: StreamTap | None = None, session_id: str = "",
+                   req: Any = None) -> Response:
     """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves).
     `checked`: a stream's structured-output check (_structured.py); `guard`: the call's output
     guardrail (guardrails/), which rewrites or blocks the engine's chunks as they are read; `tap`:
     the response cache's copy of a stream's chunks, told when the stream ended whole (cache/);
-    `session_id`: the client's x-session-id (session_id_of), for session routing."""
+    `session_id`: the client's x-session-id (session_id_of), for session routing; `req`: the parsed
+    request (its max_tokens and temperature go on the span)."""
     model = ticket.model
     request = pb.GenerateRequest(endpoint=model, kind=kind, body_json=ticket.body,  # type: ignore[arg-type]
                                  session_id=session_id)
-    call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
+    ep = state.routes.get(model)
+    span = GenerationSpan(kind, ticket, ep, req)
+    with span.active():  # engine-proxy's call (and the engine's) are the span's children
+        call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
     if guard is not None:
         call = GuardedCall(call, guard, ticket)  # output guardrail: the chunks are read through it
     start = time.perf_counter()
@@ -109,57 +117,65 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
     except grpc.aio.AioRpcError as exc:
         err = from_grpc(exc, model, admin=ticket.caller.admin)
         REQUESTS.labels(model, str(err.status)).inc()
-        await ticket.settle(str(err.status))
+        span.failed(err.code, err.message)
+        await span.settle(ticket, str(err.status))
         raise err from None
     except GuardrailBlocked as exc:  # the output guardrail blocked a whole answer: charge what was made
         REQUESTS.labels(model, "400").inc()
-        await ticket.settle("400", *_made(exc))
+        span.failed("guardrail_blocked", str(exc))
+        await span.settle(ticket, "400", *_made(exc))
         raise
     except BaseException:
         call.cancel()
-        ticket.settle_later(CLIENT_GONE)
+        span.failed(GONE_CODE, "the client went away before the answer")
+        span.settle_later(ticket, CLIENT_GONE)
         raise
     finally:
         LATENCY.labels(model).observe(time.perf_counter() - start)
     ticket.first_chunk()
     if first is grpc.aio.EOF:
         REQUESTS.labels(model, "502").inc()
-        await ticket.settle("502")
-        raise OpenAIError(502, f"endpoint:{model} returned nothing", type="AllBackendsFailed",
+        err = OpenAIError(502, f"endpoint:{model} returned nothing", type="AllBackendsFailed",
                           code="all_backends_failed")
+        span.failed(err.code, err.message)
+        await span.settle(ticket, "502")
+        raise err
+    span.answered(first, ep)
+    ticket.replica = first.replica  # the server a gpu-hour cost is apportioned on (governance)
     headers = _notice_headers(first)
     if guard is not None and guard.fired:
         headers = {**(headers or {}), **guard.headers()}
     REQUESTS.labels(model, "200").inc()
     if not ticket.stream:
-        return _SettledAnswer(first, ticket, headers)
-    sse = _sse(call, first, ticket, state.settings.heartbeat_s, checked, tap)  # notes progress once per heartbeat
-    return _SettledStream(sse, call, first, ticket, headers)
+        return _SettledAnswer(first, ticket, headers, span)
+    sse = _sse(call, first, ticket, span, state.settings.heartbeat_s, checked, tap)  # notes progress once per heartbeat
+    return _SettledStream(sse, call, first, ticket, headers, span)
 
 
 class _SettledAnswer(Response):
     """A whole answer, settled once it is sent (off the latency path); the engine's work is charged
     even if the client is gone by then."""
 
-    def __init__(self, first: pb.GenerateChunk, ticket: Ticket, headers: dict[str, str] | None) -> None:
+    def __init__(self, first: pb.GenerateChunk, ticket: Ticket, headers: dict[str, str] | None,
+                 span: GenerationSpan) -> None:
         super().__init__(first.data, media_type="application/json", headers=headers)
-        self.ticket = ticket
+        self.ticket, self.span = ticket, span
         self.usage = first.usage if first.HasField("usage") else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.ticket.settle_later("200", self.usage, None)
+            self.span.settle_later(self.ticket, "200", self.usage, None)
 
 
 class _SettledStream(StreamingResponse):
     """A stream whose call is settled even when the client leaves before the first chunk is sent."""
 
     def __init__(self, content: AsyncIterator[bytes], call: Any, first: pb.GenerateChunk, ticket: Ticket,
-                 headers: dict[str, str] | None) -> None:
+                 headers: dict[str, str] | None, span: GenerationSpan) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.call, self.first, self.ticket = call, first, ticket
+        self.call, self.first, self.ticket, self.span = call, first, ticket, span
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -169,7 +185,8 @@ class _SettledStream(StreamingResponse):
                 self.call.cancel()
                 made = Delivered()
                 made.add(self.first)
-                self.ticket.settle_later(CLIENT_GONE, made.usage, made.beyond)
+                self.span.failed(GONE_CODE, "the client went away during the stream")
+                self.span.settle_later(self.ticket, CLIENT_GONE, made.usage, made.beyond)
 
 
 def _made(exc: GuardrailBlocked) -> tuple[pb.Usage | None, int | None]:
@@ -189,7 +206,7 @@ def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
     return headers
 
 
-async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s: float,
+async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, span: GenerationSpan, note_every_s: float,
                checked: CheckedStream | None, tap: StreamTap | None = None) -> AsyncIterator[bytes]:
     """Forward chunks as they come; settle before [DONE], or in the background if the client left.
     A long stream notes what it delivered in its reservation now and then (for the reaper)."""
@@ -213,21 +230,27 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
                 chunk = await call.read()
                 if chunk is grpc.aio.EOF:
                     break
+                if span.recording:
+                    span.saw(chunk)
         except grpc.aio.AioRpcError as exc:
             err = from_grpc(exc, ticket.model, admin=ticket.caller.admin)
+            span.failed(err.code, err.message)
             status, error = str(err.status), b"data: " + orjson.dumps(err.body()) + b"\n\n"
         except GuardrailBlocked as exc:  # the output guardrail: end the stream with an error event
             call.cancel()
             if exc.produced is not None:
                 sent.add(exc.produced)
+            span.failed("guardrail_blocked", str(exc))
             status, error = "400", b"data: " + orjson.dumps(from_block(exc).body()) + b"\n\n"
         if checked is not None and not error:  # structured output: the held last chunks, or an error event
             released, status, error = checked.end(status)
             if released:
                 yield released
+            elif error:
+                span.failed("structured_output_invalid", "the answer does not match response_format")
         if tap is not None and status == "200" and not error:
             tap.end(sent.usage)  # the cache keeps the whole answer, in the background
-        settling = ticket.settle_later(status, sent.usage, sent.beyond)
+        settling = span.settle_later(ticket, status, sent.usage, sent.beyond)
         if settling is not None:
             await asyncio.shield(settling)
         if error:
@@ -236,4 +259,5 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, note_every_s:
     finally:
         if not ticket.settled:  # the client went away mid-stream: stop the engine, charge what was sent
             call.cancel()
-            ticket.settle_later(CLIENT_GONE, sent.usage, sent.beyond)
+            span.failed(GONE_CODE, "the client went away during the stream")
+            span.settle_later(ticket, CLIENT_GONE, sent.usage, sent.beyond)

@@ -74,21 +74,22 @@ async def generate_checked(state: GatewayState, kind: int, ticket: Ticket, req: 
     (STATUS_INVALID) and is tried again on the same route, with the body the engine got, through a
     new admission (budgets and rate limits hold for every attempt), up to `shape.retries` times."""
     if shape is None:
-        return await generate(state, kind, ticket, guard=guard, tap=tap, session_id=session_id)
+        return await generate(state, kind, ticket, guard=guard, tap=tap, session_id=session_id, req=req)
     if ticket.stream:
         stream = await generate(state, kind, ticket, CheckedStream(shape.stream_check()), guard=guard, tap=tap,
-                                session_id=session_id)
+                                session_id=session_id, req=req)
         stream.headers[VERDICT_HEADER] = "deferred"  # the verdict is the stream's last event
         return stream
     attempt, why_no_retry = 0, ""
     while True:
-        answer = await generate(state, kind, ticket, guard=guard, session_id=session_id)
+        answer = await generate(state, kind, ticket, guard=guard, session_id=session_id, req=req)
         assert isinstance(answer, _SettledAnswer)
         failure = shape.check_answer(bytes(answer.body))
         if failure is None:
             answer.headers[VERDICT_HEADER] = "retried" if attempt else "valid"
             return answer
-        await ticket.settle(STATUS_INVALID, answer.usage, None)
+        answer.span.failed("structured_output_invalid", failure)
+        await answer.span.settle(ticket, STATUS_INVALID, answer.usage, None)
         attempt += 1
         if attempt > shape.retries:
             break
