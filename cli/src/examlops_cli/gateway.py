@@ -219,13 +219,31 @@ def _micro(usd: float) -> int:
 @price_app.command("set")
 def price_set(
     model: Annotated[str, typer.Argument(help="Model (route name) as clients send it.")],
-    input_per_mtok: Annotated[float, typer.Option(help="USD per million prompt tokens.", min=0)],
-    output_per_mtok: Annotated[float, typer.Option(help="USD per million completion tokens.", min=0)],
+    input_per_mtok: Annotated[float | None, typer.Option(help="USD per million prompt tokens.", min=0)] = None,
+    output_per_mtok: Annotated[float | None, typer.Option(help="USD per million completion tokens.", min=0)] = None,
+    gpu_hour: Annotated[float | None, typer.Option(
+        help="USD per GPU-hour (EXAMLOPS_LLM_COST_PROVIDER=gpu-hour).", min=0)] = None,
+    gpus: Annotated[int, typer.Option(
+        help="GPUs of one server (0: the endpoint's engine block, tensor x pipeline parallel size).", min=0)] = 0,
+    min_tokens_per_s: Annotated[float, typer.Option(
+        help="With --gpu-hour: the slowest token throughput a call is billed at (bounds a budget's "
+             "reservation).", min=0)] = 0.0,
 ) -> None:
-    """Set a model's price (every gateway replica follows the price table's watch: at once)."""
+    """Set a model's price: per token, per GPU-hour, or both (replaces the whole entry; every gateway
+    replica follows the price table's watch: at once). Which one bills is the gateway's
+    EXAMLOPS_LLM_COST_PROVIDER."""
+    if (input_per_mtok is None) != (output_per_mtok is None):
+        fail("give both --input-per-mtok and --output-per-mtok (a per-token price), or neither")
+    if input_per_mtok is None and gpu_hour is None:
+        fail("give a per-token price (--input-per-mtok, --output-per-mtok), a GPU-hour price (--gpu-hour, "
+             "--min-tokens-per-s), or both")
+    if gpu_hour is not None and gpu_hour > 0 and min_tokens_per_s <= 0:
+        fail("--gpu-hour needs --min-tokens-per-s: the slowest throughput a call is billed at, which bounds "
+             "what a budget reserves (a call is never charged more than its tokens at that speed)")
     price = call("registry", "SetPrice", reg.SetPriceRequest(price=reg.Price(
-        model=model, input_micro_usd_per_mtok=_micro(input_per_mtok),
-        output_micro_usd_per_mtok=_micro(output_per_mtok)), actor=Ctx.actor()))
+        model=model, input_micro_usd_per_mtok=_micro(input_per_mtok or 0),
+        output_micro_usd_per_mtok=_micro(output_per_mtok or 0), gpu_hour_micro_usd=_micro(gpu_hour or 0),
+        gpus=gpus, min_tokens_per_s=min_tokens_per_s), actor=Ctx.actor()))
     _prices([price])
 
 
@@ -237,14 +255,18 @@ def price_list() -> None:
 
 def _prices(prices: list[reg.Price]) -> None:
     rows = [{"model": p.model, "input_per_mtok": p.input_micro_usd_per_mtok / 1e6,
-             "output_per_mtok": p.output_micro_usd_per_mtok / 1e6, "updated_by": p.updated_by,
+             "output_per_mtok": p.output_micro_usd_per_mtok / 1e6, "gpu_hour": p.gpu_hour_micro_usd / 1e6,
+             "gpus": p.gpus, "min_tokens_per_s": p.min_tokens_per_s, "updated_by": p.updated_by,
              "updated_at_ms": p.updated_at_ms} for p in prices]
     if Ctx.json:
         emit_json(rows)
         return
-    table("Prices (USD per million tokens)", ["model", "input", "output", "updated by"],
-          [[p.model, _usd(p.input_micro_usd_per_mtok / 1e6), _usd(p.output_micro_usd_per_mtok / 1e6), p.updated_by]
-           for p in prices])
+    table("Prices (USD per million tokens; per GPU-hour)",
+          ["model", "input", "output", "GPU-hour", "GPUs", "min tok/s", "updated by"],
+          [[p.model, _usd(p.input_micro_usd_per_mtok / 1e6), _usd(p.output_micro_usd_per_mtok / 1e6),
+            _usd(p.gpu_hour_micro_usd / 1e6) if p.gpu_hour_micro_usd else "-",
+            (str(p.gpus) if p.gpus else "engine") if p.gpu_hour_micro_usd else "-",
+            f"{p.min_tokens_per_s:g}" if p.gpu_hour_micro_usd else "-", p.updated_by] for p in prices])
 
 
 # --- spend --------------------------------------------------------------------------------------
@@ -252,7 +274,8 @@ def _prices(prices: list[reg.Price]) -> None:
 
 @app.command()
 def spend(
-    by: Annotated[str, typer.Option(help="Group by key, project, model or tenant.")] = "key",
+    by: Annotated[str, typer.Option(help="Group by key, project, model, tenant or provider (the cost "
+                                         "provider that priced each call).")] = "key",
     since: Annotated[str, typer.Option(help="Only calls in the last 24h, 7d, ... (default: all kept).")] = "",
 ) -> None:
     """Requests, tokens and cost summed from the per-call cost records."""
@@ -266,6 +289,9 @@ def spend(
     if Ctx.json:
         emit_json(rows)
         return
-    table(f"Spend by {by}", [by, "requests", "errors", "prompt tokens", "completion tokens", "cost USD"], [
-        [r[by] or "-", r["requests"], r["errors"], r["prompt_tokens"], r["completion_tokens"], _usd(r["cost"])]
+    clamped = any(r.get("clamped_micro_usd") for r in rows)  # a custom provider asked more than was reserved
+    table(f"Spend by {by}", [by, "requests", "errors", "prompt tokens", "completion tokens", "cost USD",
+                             *(["clamped USD"] if clamped else [])], [
+        [r[by] or "-", r["requests"], r["errors"], r["prompt_tokens"], r["completion_tokens"], _usd(r["cost"]),
+         *([_usd(r.get("clamped_micro_usd", 0) / 1e6)] if clamped else [])]
         for r in rows])

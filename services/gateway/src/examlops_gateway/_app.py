@@ -90,7 +90,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         reaper = Reaper(client, settings, replica_id)
         await reaper.heartbeat()  # alive before the first reservation
         engine_proxy = ep_grpc.EngineProxyStub(channel)
-        governor = Governor(settings, client, prices, replica_id)
+        governor = Governor(settings, client, prices, replica_id, routes)
         guardrails = GuardrailBook(client, engine_proxy_ask(engine_proxy, governor), settings.guardrail_refresh_s)
         await guardrails.refresh()  # the policies in force before the first call
         cache_book = CacheBook(client, settings.cache_refresh_s)

@@ -3,9 +3,9 @@
 Source: the calls every gateway replica settles, in Redis (lua/throughput.lua, one round trip per
 settle, on Redis' clock): each call's prompt + completion tokens are spread evenly over the seconds
 it ran, per endpoint and replica; the throughput is the tokens of the last EXAMLOPS_COST_WINDOW_S
-seconds divided by the number of those seconds in which the server had any (its busy seconds), so
-idle time does not dilute it. Traffic that bypasses the gateway is not seen: the gateway's calls
-then share the whole GPU time between them.
+seconds divided by the server's busy time in them (per second: from the first start to the last end
+of the calls in it), so idle time does not dilute it. Traffic that bypasses the gateway, and calls
+still in flight, are not seen: the calls it sees pay for that GPU time (GOVERNANCE.md says how much).
 """
 
 from __future__ import annotations
