@@ -10,7 +10,6 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
