@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.registry.v1.registry_pb2 import Endpoint
 
-from ..governance import MICRO, Ticket, Usage, cost_micro_usd
+from ..governance import Ticket, Usage
 
 tracer = trace.get_tracer("examlops.gateway")
 
@@ -102,8 +102,10 @@ class GenerationSpan:
     async def settle(self, ticket: Ticket, status: str, usage: Usage | None = None, delivered: int | None = 0) -> None:
         """ticket.settle, then the span ends."""
         self.ended_ns = time.time_ns()
-        await ticket.settle(status, usage, delivered)
-        self.end(ticket, usage, delivered)
+        try:
+            await ticket.settle(status, usage, delivered)
+        finally:
+            self.end(ticket, usage)
 
     def settle_later(self, ticket: Ticket, status: str, usage: Usage | None = None,
                      delivered: int | None = 0) -> asyncio.Task[None] | None:
@@ -111,14 +113,15 @@ class GenerationSpan:
         self.ended_ns = time.time_ns()
         task = ticket.settle_later(status, usage, delivered)
         if task is None or not self.recording:
-            self.end(ticket, usage, delivered)
+            self.end(ticket, usage)
         else:
-            task.add_done_callback(lambda _: self.end(ticket, usage, delivered))
+            task.add_done_callback(lambda _: self.end(ticket, usage))
         return task
 
-    def end(self, ticket: Ticket, usage: Usage | None, delivered: int | None) -> None:
+    def end(self, ticket: Ticket, usage: Usage | None) -> None:
+        """The settled call's attributes (its engine usage, cost, TTFT, cache and guardrails), then the end."""
         if self.recording:
-            self.span.set_attributes(_settled_attributes(ticket, usage, delivered, self.finish_reasons))
+            self.span.set_attributes(_settled_attributes(ticket, usage, self.finish_reasons))
         self.span.end(end_time=self.ended_ns or None)
 
 
@@ -140,14 +143,14 @@ def _request_attributes(operation: str, ticket: Ticket, ep: Endpoint | None, req
     return attributes
 
 
-def _settled_attributes(ticket: Ticket, usage: Usage | None, delivered: int | None,
-                        finish_reasons: list[str]) -> dict[str, Any]:
+def _settled_attributes(ticket: Ticket, usage: Usage | None, finish_reasons: list[str]) -> dict[str, Any]:
     attributes: dict[str, Any] = {
-        "examlops.cost.usd": _cost_usd(ticket, usage, delivered),
         "examlops.ttft_ms": round(ticket.ttft_s * 1000, 2),
         "examlops.cache": ticket.cache,
         "examlops.guardrails": ticket.guarded,
     }
+    if ticket.cost_usd is not None:  # the cost record's cost (the cost provider's), set by the settle
+        attributes["examlops.cost.usd"] = ticket.cost_usd
     if usage is not None:
         attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
         attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens
@@ -155,8 +158,3 @@ def _settled_attributes(ticket: Ticket, usage: Usage | None, delivered: int | No
         attributes["gen_ai.response.finish_reasons"] = finish_reasons
     return attributes
 
-
-def _cost_usd(ticket: Ticket, usage: Usage | None, delivered: int | None) -> float:
-    """The cost the settle wrote in the call's cost record."""
-    prompt, completion, _ = ticket._charge(usage, delivered)
-    return cost_micro_usd(prompt, completion, ticket.price) / MICRO
