@@ -22,6 +22,7 @@ from . import (
     pipeline,
     rag,
     serve_llm,
+    serve_llm_bench,
     serve_llm_engine,
     serve_llm_pool,
 )
@@ -47,7 +48,7 @@ app.add_typer(pipeline.app, name="pipeline")
 app.add_typer(rag.app, name="rag")
 
 # These attach their commands to `exa serve llm` and `exa models`.
-del serve_llm_engine, serve_llm_pool, models_versions, models_eval, models_quantize
+del serve_llm_bench, serve_llm_engine, serve_llm_pool, models_versions, models_eval, models_quantize
 
 
 def main() -> None:

@@ -1,0 +1,225 @@
+"""`exa serve llm bench` on a real CPU vLLM (SmolLM2), checked against vLLM's own metrics.
+
+What "agrees with vLLM" compares, over the same window (vLLM's /metrics read just before and just
+after one bench run, nothing else generating on that server meanwhile):
+- output tokens: the bench's total (each stream's usage) equals the delta of
+  vllm:generation_tokens_total exactly, and TTFT was observed for exactly the bench's requests;
+- mean TTFT: the bench's client-side mean against vLLM's delta of
+  vllm:time_to_first_token_seconds_sum / _count, within 10%. vLLM times from the request's arrival
+  in its engine (after the HTTP parse, chat template and tokenization) to the first token; the bench
+  adds those, the network and the SSE delivery (--direct), plus the gateway and engine-proxy hops
+  through the gateway: the added milliseconds are printed;
+- output tokens/s: the bench's (its tokens over its wall time) against vLLM's generation_tokens
+  delta over the window in which that counter moved, seen by sampling /metrics every 0.1 s from
+  this process (an independent clock; its ends are known to ±0.05 s), within 10%. (Over the
+  bench's own wall time the two rates are equal by the exact token count above.)
+One vLLM on the machine at a time: run these under `flock /tmp/exa-vllm.lock`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from examlops.registry.v1 import registry_pb2 as reg
+from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_devstack import Proc
+from examlops_testsupport.fixtures import Stack, free_port, wait_until
+from examlops_testsupport.vllm import smol_block, start_vllm
+
+REQUESTS, MAX_TOKENS = 24, 48
+RUN = ("--requests", str(REQUESTS), "--concurrency", "4", "--prompt-tokens", "256", "--max-tokens", str(MAX_TOKENS),
+       "--warmup", "0")
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    proc: Proc = start_vllm(tmp_path_factory.mktemp("vllm"), port, smol_block())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        httpx.post(url + "/v1/chat/completions", timeout=120, json={  # first-request costs out of every window
+            "model": "smol", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]}).raise_for_status()
+        yield url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def smol(stack: Stack, vllm_url: str) -> str:
+    """The real server registered as endpoint `smol` and routed by the gateway."""
+    out = stack.cli("serve", "llm", "start", "smol", "--base-url", vllm_url, "--replace")
+    assert out.returncode == 0, out.stderr
+    headers = {"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"}
+    wait_until(lambda: any(m["id"] == "smol" for m in httpx.get(
+        stack.gateway_url + "/v1/models", headers=headers).json()["data"]), 10, 0.1, "smol routed")
+    return vllm_url
+
+
+def vllm_counters(url: str) -> dict[str, float]:
+    wanted = {"vllm:time_to_first_token_seconds_sum": "ttft_sum", "vllm:time_to_first_token_seconds_count": "ttft_n",
+              "vllm:generation_tokens_total": "tokens", "vllm:inter_token_latency_seconds_sum": "itl_sum",
+              "vllm:inter_token_latency_seconds_count": "itl_n", "vllm:prefix_cache_hits_total": "hits",
+              "vllm:prefix_cache_queries_total": "queries"}
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
+class TokenWindow(threading.Thread):
+    """Samples vllm:generation_tokens_total every 0.1 s: when it started and stopped moving."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.samples, self.done = url, list[tuple[float, float]](), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.samples.append((time.monotonic(), vllm_counters(self.url)["tokens"]))
+            self.done.wait(0.1)
+
+    def seconds(self) -> float:
+        """From midway between the last still and first moved sample, to midway around the last move."""
+        self.done.set()
+        self.join()
+        first, last = self.samples[0][1], self.samples[-1][1]
+        i = next(k for k, (_, v) in enumerate(self.samples) if v > first)
+        j = next(k for k, (_, v) in enumerate(self.samples) if v == last)
+        start = (self.samples[i - 1][0] + self.samples[i][0]) / 2
+        end = (self.samples[j - 1][0] + self.samples[j][0]) / 2
+        return end - start
+
+
+def bench_against_vllm(stack: Stack, url: str, *args: str) -> tuple[dict[str, Any], dict[str, float], str]:
+    """(the bench's --json report, vLLM's own numbers for the same window, the bench's stderr)."""
+    before = vllm_counters(url)
+    window = TokenWindow(url)
+    window.start()
+    out = stack.cli("--json", "serve", "llm", "bench", "smol", *RUN, *args, timeout=600)
+    seconds = window.seconds()
+    after = vllm_counters(url)
+    assert out.returncode == 0, out.stderr
+    delta = {k: after[k] - before[k] for k in after}
+    vllm = {"requests": delta["ttft_n"], "tokens": delta["tokens"],
+            "ttft_mean_ms": delta["ttft_sum"] / delta["ttft_n"] * 1e3,
+            "itl_mean_ms": delta["itl_sum"] / delta["itl_n"] * 1e3, "window_s": seconds,
+            "tokens_per_s": delta["tokens"] / seconds}
+    return json.loads(out.stdout), vllm, out.stderr
+
+
+def compare(label: str, report: dict[str, Any], vllm: dict[str, float]) -> None:
+    print(f"\n{label}: bench TTFT mean {report['ttft_ms']['mean']:.1f} ms vs vLLM {vllm['ttft_mean_ms']:.1f} ms "
+          f"(+{report['ttft_ms']['mean'] - vllm['ttft_mean_ms']:.1f} ms); ITL mean {report['itl_ms']['mean']:.1f} vs "
+          f"{vllm['itl_mean_ms']:.1f} ms; {report['output_tokens_per_s']:.1f} vs {vllm['tokens_per_s']:.1f} "
+          f"output tokens/s ({report['duration_s']:.2f} s vs {vllm['window_s']:.2f} s); "
+          f"{report['output_tokens']} vs {vllm['tokens']:.0f} tokens")
+    assert report["completed"] == REQUESTS and report["failed"] == 0 and vllm["requests"] == REQUESTS
+    assert report["output_tokens"] == vllm["tokens"] == REQUESTS * MAX_TOKENS  # ignore_eos: exactly --max-tokens each
+    assert report["ttft_ms"]["mean"] == pytest.approx(vllm["ttft_mean_ms"], rel=0.10)
+    assert report["output_tokens_per_s"] == pytest.approx(vllm["tokens_per_s"], rel=0.10)
+
+
+@pytest.mark.vllm
+def test_direct_bench_agrees_with_vllms_own_metrics(stack: Stack, smol: str) -> None:
+    report, vllm, stderr = bench_against_vllm(stack, smol, "--direct")
+    compare("--direct", report, vllm)
+    assert report["via"] == "direct" and report["targets"] == [smol + "/v1/chat/completions"]
+    assert "bench smol via direct" in stderr and f"{REQUESTS}/{REQUESTS}" in stderr  # the progress bar, on stderr
+
+
+@pytest.mark.vllm
+def test_gateway_bench_agrees_with_vllms_own_metrics(stack: Stack, smol: str) -> None:
+    report, vllm, stderr = bench_against_vllm(stack, smol)
+    compare("through the gateway", report, vllm)
+    assert report["via"] == "gateway" and report["targets"] == [stack.gateway_url + "/v1/chat/completions"]
+    assert set(report) == {
+        "model", "via", "targets", "settings", "completed", "failed", "errors", "duration_s", "requests_per_s",
+        "output_tokens", "output_tokens_per_s", "output_tokens_exact", "prompt_tokens", "prompt_tokens_mean",
+        "ttft_ms", "itl_ms", "tpot_ms", "latency_ms"}
+    assert report["settings"] == {"concurrency": 4, "requests": REQUESTS, "warmup": 0, "prompt_tokens": 256,
+                                  "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "latency_ms"):
+        dist = report[key]
+        assert set(dist) == {"mean", "p50", "p90", "p99", "min", "max"}
+        assert 0 < dist["min"] <= dist["p50"] <= dist["p90"] <= dist["p99"] <= dist["max"]
+    assert report["output_tokens_exact"] and report["requests_per_s"] > 0
+    assert 256 <= report["prompt_tokens_mean"] <= 256 + 60  # the prompt, plus SmolLM2's chat template
+    assert "bench smol via gateway" in stderr
+
+
+@pytest.mark.vllm
+def test_report_for_people_and_warmup(stack: Stack, smol: str) -> None:
+    before = vllm_counters(smol)
+    out = stack.cli("serve", "llm", "bench", "smol", "--requests", "3", "--concurrency", "2", "--warmup", "2",
+                    "--max-tokens", "5", "--prompt-tokens", "40", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert vllm_counters(smol)["ttft_n"] - before["ttft_n"] == 5  # 2 warm-up + 3 measured
+    assert "TTFT" in out.stdout and "inter-token latency" in out.stdout
+    assert "15 output tokens, 3 completed, 0 failed" in out.stdout
+    assert "warm-up" in out.stderr and "3/3" in out.stderr and "TTFT" not in out.stderr
+
+
+@pytest.mark.vllm
+def test_status_shows_the_prefix_cache_hit_rate(stack: Stack, smol: str) -> None:
+    prompt = "Repeat after me: " + " ".join(["the cat sat on the mat"] * 40)
+    for _ in range(2):  # the second finds the first's prompt blocks cached
+        httpx.post(smol + "/v1/chat/completions", timeout=60, json={
+            "model": "smol", "max_tokens": 1, "messages": [{"role": "user", "content": prompt}]}).raise_for_status()
+    raw = vllm_counters(smol)
+    out = stack.cli("--json", "serve", "llm", "status", "smol")
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads(out.stdout)["replicas"][0]["metrics"]
+    assert raw["hits"] > 0
+    assert metrics["prefix_cache_hit_rate"] == pytest.approx(raw["hits"] / raw["queries"])
+    assert "spec_decode_acceptance_rate" not in metrics  # this server has no speculative decoding
+    table = stack.cli("serve", "llm", "status", "smol").stdout
+    assert "prefix hits" in table and f"{raw['hits'] / raw['queries']:.1%}" in table
+
+
+def test_errors_name_the_fix(stack: Stack) -> None:
+    out = stack.cli("serve", "llm", "bench", "no-such-model")
+    assert out.returncode == 1 and "unknown model 'no-such-model'" in out.stderr and "exa serve llm list" in out.stderr
+    out = stack.cli("serve", "llm", "bench", "no-such-model", "--direct")
+    assert out.returncode == 1 and "unknown model 'no-such-model'" in out.stderr
+    out = stack.cli("serve", "llm", "bench", "smol", "--key", "sk-not-a-key")
+    assert out.returncode == 1 and "refused --key" in out.stderr and "exa gateway key issue" in out.stderr
+    out = stack.cli("serve", "llm", "bench", "smol", env={"EXAMLOPS_GATEWAY_URL": f"http://127.0.0.1:{free_port()}"})
+    assert out.returncode == 1 and "cannot reach the gateway" in out.stderr and "--direct" in out.stderr
+    out = stack.cli("--json", "serve", "llm", "bench", "smol", "--direct",
+                    env={"EXAMLOPS_REGISTRY_ADDR": f"127.0.0.1:{free_port()}"})
+    assert out.returncode == 1 and "cannot reach registry" in json.loads(out.stderr)["error"]
+
+
+def test_direct_needs_a_ready_server(stack: Stack) -> None:
+    stack.register("bench-echo", engine="echo")
+    out = stack.cli("serve", "llm", "bench", "bench-echo", "--direct")
+    assert out.returncode == 1 and "runs inside engine-proxy" in out.stderr and "through the gateway" in out.stderr
+    stack.register("bench-down", engine="vllm", base_url="http://127.0.0.1:9", served_model_name="x",
+                   state=reg.ENDPOINT_STATE_FAILED)
+    out = stack.cli("serve", "llm", "bench", "bench-down", "--direct")
+    assert out.returncode == 1 and "no READY replica" in out.stderr and "exa serve llm status bench-down" in out.stderr
+
+
+def test_a_failing_first_request_stops_the_run(stack: Stack) -> None:
+    """A key the gateway refuses for every call (a budget on an unpriced model): one error, nothing measured."""
+    stack.register("bench-echo", engine="echo")
+    headers = {"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"}
+    wait_until(lambda: any(m["id"] == "bench-echo" for m in httpx.get(
+        stack.gateway_url + "/v1/models", headers=headers).json()["data"]), 10, 0.1, "bench-echo routed")
+    issued = httpx.post(stack.gateway_url + "/admin/keys", headers=headers, timeout=10, json={
+        "tenant": "t", "project": "p", "models": ["bench-echo"], "budget_usd": 1})
+    assert issued.status_code == 201, issued.text
+    out = stack.cli("serve", "llm", "bench", "bench-echo", "--requests", "50", "--warmup", "0",
+                    "--key", issued.json()["virtual_key"])
+    assert out.returncode == 1 and "the first request failed, 403" in out.stderr and "has no price" in out.stderr
+    assert "nothing measured" in out.stderr and "50/50" not in out.stderr
