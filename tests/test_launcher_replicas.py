@@ -267,6 +267,12 @@ def test_slurm_pool_of_two_jobs_discovered_scaled_and_stopped(stack: Stack, slur
     assert [r.substrate["job_state"] for r in status.replicas] == ["RUNNING", "RUNNING"]
     assert [r.substrate["job_id"] for r in status.replicas] == jobs
     assert status.metrics["requests_running"] == 2        # the stand-in reports 1 each
+    sd = work / "fleet.json"                              # Prometheus' fleet job scrapes each job
+    assert stack.cli("hpc", "prometheus-sd", "--out", str(sd)).returncode == 0
+    targets = {t["labels"]["replica"]: t for t in json.loads(sd.read_text()) if t["labels"]["endpoint"] == "pool-slurm"}
+    assert {r: t["targets"] for r, t in targets.items()} == {
+        "r0": [files[0][0].removeprefix("http://")], "r1": [files[1][0].removeprefix("http://")]}
+    assert [targets[r]["labels"]["job_id"] for r in ("r0", "r1")] == jobs
 
     # Scale to 1: the newest replica (r1) goes; the stand-in reports one request running, so the
     # drain runs to its timeout, then its job is cancelled and its endpoint file removed.

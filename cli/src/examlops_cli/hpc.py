@@ -42,22 +42,29 @@ def jobs(
 
 
 def sd_targets(endpoints: list[reg.Endpoint], jobs: list[reg.HpcJob]) -> list[dict[str, Any]]:
-    """Prometheus file_sd groups: one per HPC endpoint that has an address."""
+    """Prometheus file_sd groups: one per replica of an HPC endpoint that has an address (each job of
+    a pool is its own server), labelled with its endpoint, replica and job."""
     by_job = {(j.scheduler, j.job_id): j for j in jobs}
     groups = []
     for ep in sorted(endpoints, key=lambda e: e.name):
-        if ep.launcher not in HPC_LAUNCHERS or not ep.base_url or ep.state not in SCRAPED_STATES:
+        if ep.launcher not in HPC_LAUNCHERS or ep.state not in SCRAPED_STATES:
             continue
-        url = urlsplit(ep.base_url)
-        labels = {"endpoint": ep.name, "served_model_name": ep.served_model_name, "launcher": ep.launcher,
-                  "scheduler": ep.launcher, "job_id": ep.job_id, "project": ep.project,
-                  "state": state_name(ep.state), "__scheme__": url.scheme or "http", "__metrics_path__": "/metrics"}
-        job = by_job.get((ep.launcher, ep.job_id))
-        if job is not None:
-            labels |= {"partition": job.partition, "nodes": str(job.nodes), "gpus_per_node": str(job.gpus_per_node),
-                       "transport": job.transport}
-        port = url.port or (443 if url.scheme == "https" else 80)
-        groups.append({"targets": [f"{url.hostname}:{port}"], "labels": {k: v for k, v in labels.items() if v}})
+        replicas = list(ep.replicas) or [reg.Replica(id="r0", base_url=ep.base_url, job_id=ep.job_id,
+                                                     state=ep.state)]
+        for rep in replicas:
+            if not rep.base_url or rep.state not in SCRAPED_STATES:
+                continue
+            url = urlsplit(rep.base_url)
+            labels = {"endpoint": ep.name, "replica": rep.id, "served_model_name": ep.served_model_name,
+                      "launcher": ep.launcher, "scheduler": ep.launcher, "job_id": rep.job_id,
+                      "project": ep.project, "state": state_name(rep.state), "__scheme__": url.scheme or "http",
+                      "__metrics_path__": "/metrics"}
+            job = by_job.get((ep.launcher, rep.job_id))
+            if job is not None:
+                labels |= {"partition": job.partition, "nodes": str(job.nodes),
+                           "gpus_per_node": str(job.gpus_per_node), "transport": job.transport}
+            port = url.port or (443 if url.scheme == "https" else 80)
+            groups.append({"targets": [f"{url.hostname}:{port}"], "labels": {k: v for k, v in labels.items() if v}})
     return groups
 
 
@@ -83,4 +90,4 @@ def prometheus_sd(
     if Ctx.json:
         emit_json({"out": str(out), "targets": len(groups)})
     else:
-        console.print(f"{len(groups)} HPC endpoint target(s) written to {out}", highlight=False)
+        console.print(f"{len(groups)} HPC replica target(s) written to {out}", highlight=False)
