@@ -85,11 +85,12 @@ protos: venv ## Regenerate the gRPC stubs from protos/
 lock: venv ## Recompile every service image's hashed lock (services/<name>/requirements.lock; needs PyPI)
 	@$(PY) scripts/lock_images.py
 
-bench: venv system-deps ## Gateway overhead, governance's, the response cache's and replica routing's added cost, against in-run baselines
+bench: venv system-deps ## Gateway overhead, governance's, the response cache's, replica routing's and tracing's added cost, against in-run baselines
 	@$(PY) bench/bench_gateway.py
 	@$(PY) bench/bench_governance.py
 	@$(PY) bench/bench_cache.py
 	@$(PY) bench/bench_routing.py
+	@$(PY) bench/bench_tracing.py
 
 compose-env: ## Write fresh secrets (admin key, internal tokens, vLLM key) into ./.env for docker compose (0600; keeps existing ones)
 	@python3 scripts/compose_env.py

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,6 @@ import httpx
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from examlops.engine import parse_engine_block
 from examlops.registry.v1 import registry_pb2 as reg
@@ -32,6 +30,7 @@ from examlops_testsupport.cache import cache_cli
 from examlops_testsupport.fixtures import Stack, free_port, wait_until
 from examlops_testsupport.governance import issue, routes_and_prices_synced
 from examlops_testsupport.guardrails import applied, client, guardrail, set_policy
+from examlops_testsupport.prometheus import metric_names, promtool, scraped_names
 from examlops_testsupport.replica_backend import ReplicaBackend
 from examlops_testsupport.vllm import smol_block, start_vllm
 
@@ -45,8 +44,6 @@ DATASOURCE_UID = "prometheus"
 SYNTHETIC = {"up"}
 #: Grafana's built-in interval variables, as a query would see them.
 GRAFANA_INTERVALS = {"__rate_interval": "5m", "__range": "1h", "__interval": "1m", "__range_s": "3600"}
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                "offset", "inf", "nan"}
 VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
 #: The pool endpoint the live scrape of the services calls.
 POOL = "dash-pool"
@@ -95,37 +92,15 @@ def concrete(expr: str, names: set[str]) -> str:
     return VARIABLE.sub(value, expr)
 
 
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (functions, keywords and label names left out)."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    names = set()
-    for m in re.finditer(r"(?<![\w.:])[A-Za-z_:][\w:]*", text):
-        if not text[m.end():].lstrip().startswith("(") and m.group(0).lower() not in PROMQL_WORDS:
-            names.add(m.group(0))
-    return names
-
 
 def dashboard_metrics() -> set[str]:
     return {n for path in DASHBOARDS for _, expr in expressions(load(path)) for n in metric_names(expr)}
 
 
-def scraped_names(page: str) -> set[str]:
-    """Every sample name of a Prometheus text page (x_total, x_bucket, ... as Prometheus stores them)."""
-    return {s.name for family in text_string_to_metric_families(page) for s in family.samples}
-
 
 def missing(wanted: set[str], scraped: set[str]) -> list[str]:
     return sorted(wanted - scraped)
 
-
-def promtool() -> str:
-    exe = shutil.which("promtool")
-    if exe is None:
-        pytest.fail("promtool is not installed: `apt-get install prometheus` (.ci/run installs it)")
-    return exe
 
 
 def check_rules(exprs: list[tuple[str, str]], workdir: Path) -> subprocess.CompletedProcess[str]:
@@ -133,7 +108,7 @@ def check_rules(exprs: list[tuple[str, str]], workdir: Path) -> subprocess.Compl
     rules = [{"record": f"grafana:expr_{i}", "expr": expr} for i, (_, expr) in enumerate(exprs)]
     path = workdir / "dashboard-exprs.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "grafana-dashboards", "rules": rules}]}, sort_keys=False))
-    return subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    return promtool("check", "rules", str(path), cwd=workdir)
 
 
 # --- the files -------------------------------------------------------------------------------------------------

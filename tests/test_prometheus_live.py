@@ -17,7 +17,7 @@ import pytest
 from examlops.svc import DEFAULT_ADMIN_KEY
 from examlops_devstack import SERVICES, Proc, free_port, local_targets
 from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, start_redis, wait_until
-from examlops_testsupport.prometheus import alert_rules, query, rule_metric_names, running_prometheus
+from examlops_testsupport.prometheus import alert_rules, metric_names, query, running_prometheus
 from examlops_testsupport.vllm import smol_block, start_vllm
 
 pytestmark = pytest.mark.vllm
@@ -77,7 +77,7 @@ def test_every_metric_the_alerts_read_is_in_a_real_scrape(observed: Observed) ->
     answer = httpx.post(observed.vllm_url + "/v1/completions", timeout=120,
                         json={"model": smol_block().served_model_name, "prompt": "Hello", "max_tokens": 4})
     assert answer.status_code == 200, answer.text
-    names = set().union(*(rule_metric_names(rule["expr"]) for rule in alert_rules().values()))
+    names = set().union(*(metric_names(rule["expr"]) for rule in alert_rules().values()))
     assert {"up", "vllm:kv_cache_usage_perc", "examlops_gateway_requests_total"} <= names, names
 
     def stored() -> set[str]:

@@ -26,11 +26,19 @@ from examlops_devstack import (
     wait_prometheus_ready,
 )
 
-__all__ = ["OBSERVABILITY_DIR", "alert_rules", "promtool", "query", "rule_metric_names", "running_prometheus",
-           "scraped_names"]
+__all__ = [
+    "OBSERVABILITY_DIR",
+    "alert_rules",
+    "metric_names",
+    "promtool",
+    "query",
+    "running_prometheus",
+    "scraped_names",
+]
 
-#: The metric names a PromQL expression reads (ours and vLLM's; `up` named on its own).
-_METRIC = re.compile(r"\b(?:vllm:[a-z_:]+|examlops_[a-z_]+|up)\b(?=\s*[{\[)\s]|$)")
+#: PromQL words that look like metric names in an expression.
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                "offset", "inf", "nan"}
 
 
 def _binary(name: str) -> str:
@@ -54,8 +62,17 @@ def alert_rules(rules_dir: Path = OBSERVABILITY_DIR / "rules") -> dict[str, dict
     return rules
 
 
-def rule_metric_names(expr: str) -> set[str]:
-    return set(_METRIC.findall(expr))
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (functions, keywords and label names left out)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for m in re.finditer(r"(?<![\w.:])[A-Za-z_:][\w:]*", text):
+        if not text[m.end():].lstrip().startswith("(") and m.group(0).lower() not in PROMQL_WORDS:
+            names.add(m.group(0))
+    return names
 
 
 def scraped_names(page: str) -> set[str]:
