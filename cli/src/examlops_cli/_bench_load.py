@@ -22,6 +22,8 @@ import httpx
 import numpy as np
 import orjson
 
+from .gateway import error_line
+
 #: Common English words that BPE tokenizers (GPT-2, Llama, SmolLM2, Qwen…) keep as one token each
 #: after a space: a prompt of N of them is about N tokens.
 _WORDS = ("the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on",
@@ -82,15 +84,6 @@ class FirstRequestFailed(Exception):
     """Every request so far failed: the run stops on the first error instead of repeating it."""
 
 
-def _error_line(status: int, body: bytes) -> str:
-    try:
-        err = orjson.loads(body)["error"]
-        code = f" [{err['code']}]" if err.get("code") else ""
-        return f"{status} {err.get('type')}{code}: {err.get('message')}"
-    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-        return f"{status}: {body[:300].decode(errors='replace')}"
-
-
 def _has_text(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta") or {}
     return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
@@ -106,7 +99,8 @@ async def one_request(client: httpx.AsyncClient, target: Target, body: bytes) ->
     try:
         async with client.stream("POST", target.url, content=body, headers=target.headers) as resp:
             if resp.status_code != 200:
-                sample.error = _error_line(resp.status_code, await resp.aread())
+                await resp.aread()
+                sample.error = error_line(resp)
                 return sample
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -117,7 +111,7 @@ async def one_request(client: httpx.AsyncClient, target: Target, body: bytes) ->
                 now = time.perf_counter()
                 obj = orjson.loads(data)
                 if obj.get("error"):
-                    sample.error = _error_line(200, data.encode())
+                    sample.error = error_line(httpx.Response(200, content=data.encode()))  # an error mid-stream
                     return sample
                 if any(_has_text(c) for c in obj.get("choices") or ()):
                     chunks += 1
