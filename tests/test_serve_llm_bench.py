@@ -163,6 +163,7 @@ def test_report_for_people_and_warmup(stack: Stack, smol: str) -> None:
     out = stack.cli("serve", "llm", "bench", "smol", "--requests", "3", "--concurrency", "2", "--warmup", "2",
                     "--max-tokens", "5", "--prompt-tokens", "40", timeout=300)
     assert out.returncode == 0, out.stderr
+    print("\n" + out.stdout + out.stderr)
     assert vllm_counters(smol)["ttft_n"] - before["ttft_n"] == 5  # 2 warm-up + 3 measured
     assert "TTFT" in out.stdout and "inter-token latency" in out.stdout
     assert "15 output tokens, 3 completed, 0 failed" in out.stdout

@@ -139,9 +139,8 @@ def run_with_progress(spec: LoadSpec, model: str, via: str) -> tuple[list[Sample
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn())
     with Progress(*columns, console=err_console) as progress:
-        tasks = {"bench": progress.add_task(f"bench {model} via {via}", total=spec.requests, failed=0)}
-        if spec.warmup:
-            tasks["warmup"] = progress.add_task("warm-up", total=spec.warmup, failed=0)
+        tasks = {"warmup": progress.add_task("warm-up", total=spec.warmup, failed=0)} if spec.warmup else {}
+        tasks["bench"] = progress.add_task(f"bench {model} via {via}", total=spec.requests, failed=0)
         failed = dict.fromkeys(tasks, 0)
 
         def advance(phase: str, sample: Sample) -> None:
@@ -157,13 +156,14 @@ def _ms(dist: dict[str, float] | None, key: str) -> str:
 
 def print_report(r: dict[str, Any]) -> None:
     s = r["settings"]
-    title = (f"{r['model']} via {r['via']} ({', '.join(r['targets'])}): {s['requests']} requests, "
-             f"{s['concurrency']} at a time, prompt ~{s['prompt_tokens']} tokens "
-             f"({r['prompt_tokens_mean']:.0f} with the chat template), max {s['max_tokens']} output tokens")
+    console.print(f"{r['model']} via {r['via']} ({', '.join(r['targets'])}): {s['requests']} requests, "
+                  f"{s['concurrency']} at a time, prompt ~{s['prompt_tokens']} tokens "
+                  f"({r['prompt_tokens_mean']:.0f} with the chat template), {s['max_tokens']} output tokens at most",
+                  highlight=False)
     rows = [[name, *(_ms(r[key], q) for q in ("mean", "p50", "p90", "p99"))]
             for name, key in (("TTFT", "ttft_ms"), ("inter-token latency", "itl_ms"),
                               ("time per output token", "tpot_ms"), ("request latency", "latency_ms"))]
-    table(title, ["ms", "mean", "p50", "p90", "p99"], rows)
+    table("Latency (ms)", ["", "mean", "p50", "p90", "p99"], rows)
     console.print(f"throughput: {r['output_tokens_per_s']:.1f} output tokens/s, {r['requests_per_s']:.2f} requests/s "
                   f"over {r['duration_s']:.2f} s ({r['output_tokens']} output tokens, {r['completed']} completed, "
                   f"{r['failed']} failed)", highlight=False)
