@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from examlops.svc import DEFAULT_ADMIN_KEY
+from examlops_testsupport.cache import cache_cli
 from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, wait_until
 from examlops_testsupport.media_corpus import POLICY_KWARGS, image, request
 from examlops_testsupport.otlp import OtlpReceiver, ReceivedSpan
@@ -108,6 +109,27 @@ def test_a_media_call_adds_mediaguards_span_to_the_trace(traced: tuple[Stack, Ot
     validate = _one(spans, VALIDATE)
     assert validate.service == "mediaguard" and validate.kind == "SERVER"
     assert _ancestors(spans, validate)[0] == "engine-proxy" and "gateway" in _ancestors(spans, validate)
+
+
+def test_a_cache_hit_has_its_generation_span_saying_which_hit(
+        traced: tuple[Stack, OtlpReceiver, openai.OpenAI]) -> None:
+    stack, otlp, client = traced
+    cache_cli(stack, "set", "--model", ECHO, "--mode", "exact")
+    try:
+        question = [{"role": "user", "content": f"cache me {os.urandom(4).hex()}"}]
+        first = _call_trace(otlp, client, CHAT, GENERATE, messages=question, temperature=0)
+        hit = _call_trace(otlp, client, CHAT, f"chat {ECHO}", messages=question, temperature=0)
+    finally:
+        cache_cli(stack, "unset", "--model", ECHO)
+    generation = _one(first, f"chat {ECHO}")
+    assert generation.attributes["examlops.cache"] == "miss" and generation.kind == "CLIENT"
+    cached = _one(hit, f"chat {ECHO}")
+    assert GENERATE not in {s.name for s in hit.values()}, "a hit called the engine"
+    assert cached.attributes["examlops.cache"] == "hit-exact"
+    assert cached.attributes["examlops.cost.usd"] == 0.0
+    assert "gen_ai.usage.output_tokens" not in cached.attributes  # no engine ran
+    assert cached.attributes["gen_ai.response.finish_reasons"] == generation.attributes[
+        "gen_ai.response.finish_reasons"]
 
 
 def test_the_engine_gets_the_traceparent_of_the_call(traced: tuple[Stack, OtlpReceiver, openai.OpenAI]) -> None:

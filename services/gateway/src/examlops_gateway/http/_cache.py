@@ -13,10 +13,11 @@ from starlette.responses import Response
 from .._state import GatewayState
 from ..cache import CacheCall, sse_events
 from ..governance import Ticket
-from ..guardrails import Guard
+from ..guardrails import Guard, GuardrailBlocked
 from ..structured import VERDICT_HEADER, StructuredOutput
 from ._generate import _SettledAnswer
 from ._protocol import GenerationRequest
+from ._span import GenerationSpan
 
 
 async def look_up(request: Request, state: GatewayState, ticket: Ticket, req: GenerationRequest,
@@ -27,10 +28,18 @@ async def look_up(request: Request, state: GatewayState, ticket: Ticket, req: Ge
     return await state.cache.lookup(ticket, raw, request.headers.get("cache-control", ""), client_bound)
 
 
-async def answer_from_cache(state: GatewayState, call: CacheCall, ticket: Ticket, req: GenerationRequest,
+async def answer_from_cache(state: GatewayState, kind: int, call: CacheCall, ticket: Ticket, req: GenerationRequest,
                             guard: Guard | None, shape: StructuredOutput | None) -> Response:
-    """A hit, settled at no cost, through the call's output guardrails, in the client's mode."""
-    answer = await state.cache.hit_answer(call, ticket, guard)
+    """A hit, settled at no cost, through the call's output guardrails, in the client's mode; its
+    generation span says which hit (examlops.cache) and costs 0."""
+    span = GenerationSpan(kind, ticket, state.routes.get(ticket.model), req)
+    try:
+        answer = await state.cache.hit_answer(call, ticket, guard)
+    except GuardrailBlocked as exc:
+        span.failed("guardrail_blocked", str(exc))
+        span.from_cache(ticket, {})
+        raise
+    span.from_cache(ticket, answer)
     headers = call.headers
     if guard is not None and guard.fired:
         headers.update(guard.headers())

@@ -43,7 +43,7 @@ async def serve_generation(request: Request, state: GatewayState, caller: Caller
     await route(state.routes, ticket)                                            # route
     cache = await look_up(request, state, ticket, req, raw)                      # cache: a hit answers here
     if cache is not None and cache.answer is not None:
-        return await answer_from_cache(state, cache, ticket, req, guard, shape)  # ... settled at no cost
+        return await answer_from_cache(state, kind, cache, ticket, req, guard, shape)  # ... settled at no cost
     response = await generate_checked(state, kind, ticket, req, shape, guard,    # generate → check → settle
                                       cache.tap() if cache else None, session_id=session_id)
     return with_cache(response, cache)                                           # cache: keep a whole answer

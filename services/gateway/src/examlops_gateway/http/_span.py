@@ -92,6 +92,17 @@ class GenerationSpan:
             self.span.set_attributes({"examlops.specdecode.acceptance_rate": spec.acceptance_rate,
                                       "examlops.specdecode.speedup": spec.speedup})
 
+    def from_cache(self, ticket: Ticket, answer: dict[str, Any]) -> None:
+        """A cache hit answered the call: the stored answer's model and finish reasons; no engine
+        ran, so no usage, and the hit costs nothing (its cost record bills 0 tokens). Ends the span."""
+        if self.recording:
+            self.span.set_attribute("gen_ai.response.model", str(answer.get("model") or ""))
+            self.finish_reasons = [str(c.get("finish_reason")) for c in answer.get("choices") or ()
+                                   if isinstance(c, dict) and c.get("finish_reason")]
+            self.span.set_attribute("examlops.cost.usd", ticket.cost_usd or 0.0)
+        self.ended_ns = time.time_ns()
+        self.end(ticket, None)
+
     def failed(self, code: str | None, message: str) -> None:
         """The call ended in error: status ERROR, error.type the OpenAI error code."""
         if not self.recording:
