@@ -32,15 +32,15 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 quietly = { mkdir -p $(dir $(DEPS_LOG)) && { $(1); } 2>&1 | tee -a $(DEPS_LOG) | { grep --line-buffered '^==>' || true; } \
   || { echo "==> Failed; the end of $(DEPS_LOG):" >&2; tail -n 40 $(DEPS_LOG) >&2; exit 1; }; }
 
-system-deps: ## Install Redis (Debian package), when missing: all the local stack needs
+system-deps: ## Install Redis and Prometheus (Debian packages), when missing: all the local stack needs
 	@command -v redis-server >/dev/null || $(call quietly,echo "==> Installing redis-server (Debian package; log: $(DEPS_LOG))"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
-
-test-deps: system-deps ## Install Slurm, munge, an SSH server and Prometheus (promtool) for the tests (Debian packages), when missing
-	@$(call quietly,bash scripts/slurm-local.sh install && bash scripts/sshd-local.sh install)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || $(call quietly,echo "==> Installing prometheus \
 	  (Debian package: the server and promtool; log: $(DEPS_LOG))"; $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
+
+test-deps: system-deps ## Install Slurm, munge and an SSH server for the tests (Debian packages), when missing
+	@$(call quietly,bash scripts/slurm-local.sh install && bash scripts/sshd-local.sh install)
 
 vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 and MiniLM model folders
 	@bash scripts/vllm-env.sh >/dev/null
