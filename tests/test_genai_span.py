@@ -21,12 +21,12 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, wait_until
 from examlops_testsupport.governance import ADMIN, cost_records
 from examlops_testsupport.otlp import OtlpReceiver, ReceivedSpan
-from examlops_testsupport.vllm import smol_block, start_vllm
+from examlops_testsupport.plugin import VllmServer
+from examlops_testsupport.vllm import NGRAM_SPEC, smol_block
 
 pytestmark = pytest.mark.vllm
 
-SPEC = {"enabled": True, "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-        "prompt_lookup_min": 1}
+SPEC = NGRAM_SPEC
 PROJECT = "spans"
 #: a prompt whose answer repeats its own words: ngram drafts find matches in it
 REPEAT = "Repeat these words exactly, five times: red green blue red green blue red green blue"
@@ -53,17 +53,9 @@ def otlp() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from examlops.engine import parse_engine_block
-    from examlops_testsupport.fixtures import free_port
-
-    block = parse_engine_block({**json.loads(_block()), "speculative_decoding": SPEC})
-    port = free_port()
-    proc = start_vllm(tmp_path_factory.mktemp("vllm-spec"), port, block, "vllm-spec.log")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+def vllm_url(smol_spec_vllm: VllmServer) -> str:
+    """The session's SmolLM2 with ngram speculative decoding (and prefix caching)."""
+    return smol_spec_vllm.base_url
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import openai
 import pytest
 import yaml
 
-from examlops.engine import parse_engine_block
 from examlops.registry.v1 import registry_pb2 as reg
 from examlops_devstack import service_argv, spawn, wait_grpc
 from examlops_testsupport import REPO_ROOT
@@ -30,9 +29,9 @@ from examlops_testsupport.cache import cache_cli
 from examlops_testsupport.fixtures import Stack, free_port, wait_until
 from examlops_testsupport.governance import issue, routes_and_prices_synced
 from examlops_testsupport.guardrails import applied, client, guardrail, set_policy
+from examlops_testsupport.plugin import VllmServer
 from examlops_testsupport.prometheus import metric_names, promtool, scraped_names
 from examlops_testsupport.replica_backend import ReplicaBackend
-from examlops_testsupport.vllm import smol_block, start_vllm
 
 GRAFANA = REPO_ROOT / "observability" / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
@@ -271,24 +270,15 @@ def test_every_service_metric_of_the_dashboards_is_in_a_live_scrape(services_scr
 
 
 @pytest.mark.vllm
-def test_every_vllm_metric_of_the_dashboards_is_in_a_live_scrape(tmp_path: Path) -> None:
-    """A real vLLM with prefix caching and ngram speculative decoding, after two chat calls."""
-    data = smol_block().model_dump(mode="json", exclude_none=True)
-    ngram = {"enabled": True, "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-             "prompt_lookup_min": 1}
-    data.update(prefix_cache=True, speculative_decoding=ngram)
-    port = free_port()
-    proc = start_vllm(tmp_path, port, parse_engine_block(data), "vllm-dashboards.log")
-    try:
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(2):
-            resp = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-                "model": "smol", "max_tokens": 24,
-                "messages": [{"role": "user", "content": "Repeat: one two three one two three"}]})
-            assert resp.status_code == 200, resp.text
-        scraped = scraped_names(httpx.get(base + "/metrics", timeout=10).text)
-    finally:
-        proc.stop()
+def test_every_vllm_metric_of_the_dashboards_is_in_a_live_scrape(smol_spec_vllm: VllmServer) -> None:
+    """The session's real vLLM with prefix caching and ngram speculative decoding, after two chat calls."""
+    base = smol_spec_vllm.base_url
+    for _ in range(2):
+        resp = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": "smol", "max_tokens": 24,
+            "messages": [{"role": "user", "content": "Repeat: one two three one two three"}]})
+        assert resp.status_code == 200, resp.text
+    scraped = scraped_names(httpx.get(base + "/metrics", timeout=10).text)
     wanted = {n for n in dashboard_metrics() if n.startswith("vllm:")}
     assert len(wanted) >= 15
     assert not missing(wanted, scraped), f"not in vLLM's scrape: {missing(wanted, scraped)}"

@@ -1,4 +1,5 @@
-"""The session fixtures every test tier shares: Redis, the stack of services, Slurm, sshd, MiniLM."""
+"""The session fixtures every test tier shares: Redis, the stack of services, Slurm, sshd, MiniLM, and
+SmolLM2 with prefix caching and ngram speculative decoding."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from examlops_devstack import Proc, free_port
 from examlops_testsupport.fixtures import RedisServer, Stack, running_stack, start_redis
 from examlops_testsupport.redis_cluster import RedisClusterServer, start_redis_cluster
 from examlops_testsupport.slurm import SlurmCluster, SshServer, slurm_cluster, ssh_server
-from examlops_testsupport.vllm import start_minilm_vllm
+from examlops_testsupport.vllm import smol_spec_block, start_minilm_vllm, start_vllm
 
 
 @pytest.fixture(scope="session")
@@ -78,5 +79,18 @@ def minilm_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer
     proc = start_minilm_vllm(tmp_path_factory.mktemp("minilm-vllm"), port)
     try:
         yield VllmServer(port=port, proc=proc, served_model_name="minilm")
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_spec_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """SmolLM2 on a real CPU `vllm serve` with prefix caching and ngram speculative decoding
+    (testsupport.vllm.smol_spec_block), served as `smol`, started once per session. Its users must
+    not stop it or change its state for the others. Mark them `pytest.mark.vllm`."""
+    port = free_port()
+    proc = start_vllm(tmp_path_factory.mktemp("smol-spec-vllm"), port, smol_spec_block(), "vllm-smol-spec.log")
+    try:
+        yield VllmServer(port=port, proc=proc, served_model_name="smol")
     finally:
         proc.stop()

@@ -35,6 +35,21 @@ def smol_block() -> Any:
     return find_model("smol", USECASES).engine
 
 
+#: ngram speculative decoding (prompt lookup) that SmolLM2 on CPU can run: drafts come from the prompt.
+NGRAM_SPEC = {"enabled": True, "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+              "prompt_lookup_min": 1}
+
+
+def smol_spec_block() -> Any:
+    """The smol block with prefix caching and ngram speculative decoding on (every vllm:prefix_cache_*
+    and vllm:spec_decode_* series exists on its server)."""
+    from examlops.engine import parse_engine_block
+
+    data = smol_block().model_dump(mode="json", exclude_none=True)
+    data.update(prefix_cache=True, speculative_decoding=NGRAM_SPEC)
+    return parse_engine_block(data)
+
+
 def minilm_model_dir() -> Path:
     """The unpacked all-MiniLM-L6-v2 folder: $EXAMLOPS_MINILM_MODEL_DIR, else where vllm-env.sh puts it."""
     path = cached_venv_dir(MINILM_MODEL_DIR_ENV, MINILM_CACHE_NAME)
