@@ -228,3 +228,10 @@ def test_an_unknown_protocol_fails_naming_the_variable() -> None:
     done = subprocess.run([sys.executable, "-c", SETUP], capture_output=True, text=True, timeout=60, env={
         **clean, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
     assert done.returncode != 0 and "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in done.stderr
+
+
+def test_the_start_up_line_never_shows_an_endpoint_password() -> None:
+    from examlops.svc import tracing_config
+
+    line = tracing_config({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://otel:s3cret-pw@collector:4318"}).describe()
+    assert "s3cret-pw" not in line and "collector:4318" in line

@@ -22,6 +22,8 @@ from typing import Any
 
 from opentelemetry import propagate, trace
 
+from ._redact import redact
+
 log = logging.getLogger(__name__)
 
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -48,7 +50,7 @@ class TracingConfig:
             return "tracing off (OTEL_SDK_DISABLED=true)"
         if not self.endpoint:
             return "tracing off (set OTEL_EXPORTER_OTLP_ENDPOINT to export spans)"
-        return f"tracing on: OTLP {self.protocol} to {self.endpoint}"
+        return f"tracing on: OTLP {self.protocol} to {redact(self.endpoint)}"  # a URL password never shows
 
 
 def tracing_config(env: MutableMapping[str, str] | None = None) -> TracingConfig:
