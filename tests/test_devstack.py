@@ -204,10 +204,10 @@ def _make(*args: str, path: str | None = None, **env: str) -> subprocess.Complet
                           text=True, timeout=120, env=full_env)
 
 
-def test_make_up_installs_only_redis_and_make_test_the_launcher_test_daemons() -> None:
+def test_make_up_installs_only_redis_and_prometheus_and_make_test_the_launcher_test_daemons() -> None:
     for target in (["up"], ["up", "ENGINE=echo"]):
         plan = _make("-n", *target).stdout
-        assert "redis-server" in plan
+        assert "redis-server" in plan and "install -y -qq prometheus" in plan
         assert not re.search(r"slurm|munge|sshd|openssh", plan), plan
     for tests in ("test", "test-fast"):
         plan = _make("-n", tests).stdout
@@ -215,7 +215,7 @@ def test_make_up_installs_only_redis_and_make_test_the_launcher_test_daemons() -
 
 
 def test_system_deps_show_one_line_per_install_and_the_log_on_failure(tmp_path: Path) -> None:
-    """apt-get (a stand-in printing as much as the real one) and no redis-server on PATH."""
+    """apt-get (a stand-in printing as much as the real one) and neither redis-server nor prometheus on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("mkdir", "tee", "grep", "tail", "env", "id", "hostname", "dirname"):
@@ -235,7 +235,8 @@ def test_system_deps_show_one_line_per_install_and_the_log_on_failure(tmp_path: 
     ok = _make("system-deps", f"DEPS_LOG={log}", path=str(bin_dir))
     assert ok.returncode == 0, ok.stderr
     shown = (ok.stdout + ok.stderr).strip().splitlines()
-    assert len(shown) == 1 and shown[0].startswith("==> Installing redis-server"), shown
+    assert len(shown) == 2 and shown[0].startswith("==> Installing redis-server"), shown  # one line a package
+    assert shown[1].startswith("==> Installing prometheus"), shown
     assert "noise 199" in log.read_text() and "debconf" in log.read_text()
 
     failed = _make("system-deps", f"DEPS_LOG={log}", path=str(bin_dir), FAIL_APT="1")
