@@ -59,7 +59,15 @@ def _call_trace(otlp: OtlpReceiver, client: openai.OpenAI, *names: str, **create
     trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
     client.chat.completions.create(model=ECHO, extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"},
                                    **create)  # type: ignore[call-overload]
-    otlp.wait_for(lambda spans: all(any(s.trace_id == trace_id and s.name == n for s in spans) for n in names))
+
+    def arrived(spans: list[ReceivedSpan]) -> bool:
+        """`names` are in, and so is every span's parent: services export in batches, and the gateway's
+        generation span (the parent of engine-proxy's) ends after the HTTP response, at the settle."""
+        mine = {s.span_id: s for s in spans if s.trace_id == trace_id}
+        return all(any(s.name == n for s in mine.values()) for n in names) and all(
+            s.parent_span_id in mine or s.parent_span_id == parent for s in mine.values())
+
+    otlp.wait_for(arrived)
     spans = {s.span_id: s for s in otlp.spans(trace_id=trace_id)}
     root = [s for s in spans.values() if s.parent_span_id not in spans]
     assert [(s.service, s.name, s.parent_span_id) for s in root] == [("gateway", CHAT, parent)]
@@ -90,7 +98,8 @@ def test_one_call_is_one_trace_from_the_gateway_to_engine_proxy(
     assert gateway.attributes["http.response.status_code"] == 200
     assert generate.attributes["rpc.method"] == "Generate"
     assert set(_ancestors(spans, generate)) == {"gateway"}  # engine-proxy's span hangs under the gateway's
-    assert gateway.start_ns <= generate.start_ns and generate.end_ns <= gateway.end_ns
+    # engine-proxy's handler may close its span just after the gateway has answered: only starts are ordered
+    assert gateway.start_ns <= generate.start_ns <= gateway.end_ns
     assert {s.service for s in spans.values()} == {"gateway", "engine-proxy"}  # no media, no mediaguard
 
 
