@@ -10,9 +10,11 @@ after one bench run, nothing else generating on that server meanwhile):
   adds those, the network and the SSE delivery (--direct), plus the gateway and engine-proxy hops
   through the gateway: the added milliseconds are printed;
 - output tokens/s: the bench's (its tokens over its wall time) against vLLM's generation_tokens
-  delta over the window in which that counter moved, seen by sampling /metrics every 0.1 s from
-  this process (an independent clock; its ends are known to ±0.05 s), within 10%. (Over the
-  bench's own wall time the two rates are equal by the exact token count above.)
+  delta over vLLM's busy window, within 10%. That window is seen by sampling /metrics every 0.1 s
+  from this process (an independent clock; its ends are known to ±0.05 s): from the first wave's
+  arrival, which is the first token minus that wave's TTFT as vLLM measured it (nothing counts
+  while the first prompts prefill), to the last move of the token counter. (Over the bench's own
+  wall time the two rates are equal by the exact token count above.)
 One vLLM on the machine at a time: run these under `flock /tmp/exa-vllm.lock`.
 """
 
@@ -77,25 +79,28 @@ def vllm_counters(url: str) -> dict[str, float]:
 
 
 class TokenWindow(threading.Thread):
-    """Samples vllm:generation_tokens_total every 0.1 s: when it started and stopped moving."""
+    """Samples vLLM's counters every 0.1 s: when the first wave arrived and the token counter stopped."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url, self.samples, self.done = url, list[tuple[float, float]](), threading.Event()
+        self.url, self.samples, self.done = url, list[tuple[float, dict[str, float]]](), threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.samples.append((time.monotonic(), vllm_counters(self.url)["tokens"]))
+            self.samples.append((time.monotonic(), vllm_counters(self.url)))
             self.done.wait(0.1)
 
     def seconds(self) -> float:
-        """From midway between the last still and first moved sample, to midway around the last move."""
+        """From the first token (midway between the last still and first moved sample) less the first
+        wave's mean TTFT by vLLM's histogram, to midway around the token counter's last move."""
         self.done.set()
         self.join()
-        first, last = self.samples[0][1], self.samples[-1][1]
-        i = next(k for k, (_, v) in enumerate(self.samples) if v > first)
-        j = next(k for k, (_, v) in enumerate(self.samples) if v == last)
-        start = (self.samples[i - 1][0] + self.samples[i][0]) / 2
+        tokens = [c["tokens"] for _, c in self.samples]
+        i = next(k for k, v in enumerate(tokens) if v > tokens[0])
+        j = next(k for k, v in enumerate(tokens) if v == tokens[-1])
+        base, moved = self.samples[0][1], self.samples[i][1]
+        first_wave_ttft = (moved["ttft_sum"] - base["ttft_sum"]) / max(moved["ttft_n"] - base["ttft_n"], 1)
+        start = (self.samples[i - 1][0] + self.samples[i][0]) / 2 - first_wave_ttft
         end = (self.samples[j - 1][0] + self.samples[j][0]) / 2
         return end - start
 
