@@ -194,9 +194,9 @@ def request_body(stream: bool) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-def check_with_openai(base_url: str, label: str, timeout_s: float = 20.0) -> None:
+def check_with_openai(base_url: str, label: str, timeout_s: float = 20.0, api_key: str = DEFAULT_ADMIN_KEY) -> None:
     """Both request shapes through `base_url` with the official client; retried while routes settle."""
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key=DEFAULT_ADMIN_KEY, max_retries=0, timeout=10)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=10)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
