@@ -1,10 +1,14 @@
-"""Engine-proxy process: settings → route table (registry watch) → gRPC server."""
+"""Engine-proxy process: settings → route table (registry watch) → gRPC server.
+
+With EXAMLOPS_WORKERS=N > 1 the process is a parent that runs N such servers on one port
+(svc.run_workers): each worker has its own route watch, engine pools, replica scrapes and in-flight
+counts, so least-load routing sees its own worker's calls in flight plus the servers' scraped load.
+"""
 
 from __future__ import annotations
 
 import asyncio
-
-from prometheus_client import start_http_server
+import functools
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.mediaguard.v1 import mediaguard_pb2_grpc as mg_grpc
@@ -13,10 +17,13 @@ from examlops.svc import (
     OPERATORS,
     Access,
     RouteTable,
+    WorkerSlot,
     build_grpc_server,
     configure_logging,
     insecure_channel,
     load_settings,
+    run_workers,
+    serve_metrics,
     serve_until_signal,
     server_auth,
     setup_tracing,
@@ -32,7 +39,9 @@ SERVICE = "examlops.engine_proxy.v1.EngineProxy"
 ACCESS = Access({OPERATORS: None, "gateway": None})
 
 
-async def run(settings: EngineProxySettings) -> None:
+async def run(settings: EngineProxySettings, slot: WorkerSlot | None = None) -> None:
+    """One server; as a worker (`slot`), on the shared port with SO_REUSEPORT and no metrics
+    exporter of its own (the parent serves every worker's)."""
     auth = server_auth(settings, "engine-proxy", ACCESS)  # first: refuse to start accepting no caller
     table = RouteTable.empty()
     pool = EnginePool(settings)
@@ -47,22 +56,39 @@ async def run(settings: EngineProxySettings) -> None:
     mg_channel = insecure_channel(settings.mediaguard_addr, token)
     servicer = EngineProxyServicer(settings, table, pool, mg_grpc.MediaGuardStub(mg_channel))
     server, port, health = build_grpc_server(
-        settings.host, settings.port, lambda s: pb_grpc.add_EngineProxyServicer_to_server(servicer, s), [SERVICE],
-        auth)
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.host)
-    watcher = asyncio.create_task(watch_routes(settings.registry_addr, table, on_change, token=token))
+        settings.host, slot.port if slot else settings.port,
+        lambda s: pb_grpc.add_EngineProxyServicer_to_server(servicer, s), [SERVICE], auth, reuse_port=slot is not None)
+    if settings.metrics_port and slot is None:
+        serve_metrics(settings.host, settings.metrics_port)
+    tasks = [asyncio.create_task(watch_routes(settings.registry_addr, table, on_change, token=token))]
+
+    async def start() -> None:
+        if slot is not None:
+            tasks.append(asyncio.create_task(slot.follow_parent()))
+            slot.started()
 
     async def stop() -> None:
-        watcher.cancel()
+        for task in tasks:
+            task.cancel()
         await pool.aclose()
         await mg_channel.close()
 
-    await serve_until_signal(server, health, [SERVICE], "engine-proxy", port, on_stop=stop)
+    await serve_until_signal(server, health, [SERVICE], "engine-proxy", port, on_start=start, on_stop=stop)
+
+
+def run_worker(settings: EngineProxySettings, slot: WorkerSlot) -> None:
+    """A worker process's life (run_workers starts it): its own logging, tracing and server."""
+    configure_logging(settings.log_level, f"engine-proxy[{slot.index}]")
+    setup_tracing("engine-proxy")
+    asyncio.run(run(settings, slot))
 
 
 def main() -> None:
     settings = load_settings(EngineProxySettings)
     configure_logging(settings.log_level, "engine-proxy")
+    if settings.workers > 1:
+        server_auth(settings, "engine-proxy", ACCESS)  # a caller-less setting stops the parent, not N workers
+        raise SystemExit(run_workers("engine-proxy", settings.workers, settings.host, settings.port,
+                                     settings.metrics_port, functools.partial(run_worker, settings)))
     setup_tracing("engine-proxy")
     asyncio.run(run(settings))

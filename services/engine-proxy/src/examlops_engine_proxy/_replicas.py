@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
 
+from examlops.svc import multiprocess_enabled
+
 from ._engines import Engine, VllmServerEngine
 from ._engines._vllm_server import NET_ERRORS, net_failure
 from ._spec_decode import SPEC_COUNTERS, SpecCounters
@@ -40,10 +42,16 @@ ERRORS = Counter("examlops_engine_replica_errors", "Attempts that failed on a re
 EJECTIONS = Counter("examlops_engine_replica_ejections", "Times a replica was ejected by passive health.", _LABELS)
 RETRIES = Counter("examlops_engine_replica_retries", "Attempts that moved from a replica to another.", _LABELS)
 PICKS = Counter("examlops_engine_replica_picks", "Routing decisions by reason.", [*_LABELS, "reason"])
-RUNNING = Gauge("examlops_engine_replica_requests_running", "Scraped vllm:num_requests_running.", _LABELS)
-WAITING = Gauge("examlops_engine_replica_requests_waiting", "Scraped vllm:num_requests_waiting.", _LABELS)
-KV_CACHE = Gauge("examlops_engine_replica_kv_cache_usage", "Scraped vllm:kv_cache_usage_perc (0..1).", _LABELS)
-IN_FLIGHT = Gauge("examlops_engine_replica_in_flight", "Requests this proxy has on the replica now.", _LABELS)
+# With several workers (EXAMLOPS_WORKERS) each scrapes the same server: its latest reading is the
+# value; the requests in flight are the sum over the workers.
+RUNNING = Gauge("examlops_engine_replica_requests_running", "Scraped vllm:num_requests_running.", _LABELS,
+                multiprocess_mode="livemostrecent")
+WAITING = Gauge("examlops_engine_replica_requests_waiting", "Scraped vllm:num_requests_waiting.", _LABELS,
+                multiprocess_mode="livemostrecent")
+KV_CACHE = Gauge("examlops_engine_replica_kv_cache_usage", "Scraped vllm:kv_cache_usage_perc (0..1).", _LABELS,
+                 multiprocess_mode="livemostrecent")
+IN_FLIGHT = Gauge("examlops_engine_replica_in_flight", "Requests this proxy has on the replica now.", _LABELS,
+                  multiprocess_mode="livesum")
 _GAUGES = (RUNNING, WAITING, KV_CACHE, IN_FLIGHT)
 
 #: The load lines of a vLLM (or SGLang) /metrics page, and vLLM's speculative-decoding counters;
@@ -179,6 +187,9 @@ class Replica:
     def forget_series(self) -> None:
         """Drop this replica's gauges (it left the pool); its counters stay, as counters do."""
         for gauge in _GAUGES:
+            if multiprocess_enabled():  # a series in the workers' shared files cannot be removed: zeroed
+                gauge.labels(self.endpoint, self.id).set(0)
+                continue
             try:
                 gauge.remove(self.endpoint, self.id)
             except KeyError:

@@ -10,6 +10,10 @@ class EngineProxySettings(GrpcServiceSettings):
 
     port: int = Field(default=DEFAULT_PORTS["engine-proxy"], ge=0, le=65535,
                       description="gRPC port of engine-proxy.")
+    workers: int = Field(default=1, ge=1, le=64,
+                         description="Worker processes, each a whole server on the same port (SO_REUSEPORT); "
+                                     "metrics_port is served once, summed over them. Each worker routes "
+                                     "with its own in-flight counts and replica scrapes.")
     registry_addr: str = Field(default=f"127.0.0.1:{DEFAULT_PORTS['registry']}",
                                description="Registry gRPC address; its watch feeds the route table.")
     mediaguard_addr: str = Field(default=f"127.0.0.1:{DEFAULT_PORTS['mediaguard']}",

@@ -28,6 +28,8 @@ from examlops.svc import (
     fastapi_telemetry,
     insecure_channel,
     load_settings,
+    metrics_registry,
+    multiprocess_metrics,
     ping_redis,
     redis_client,
     setup_tracing,
@@ -138,24 +140,33 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(health_router)  # /livez, /readyz, /healthz (= /readyz)
     install_openapi(app)
 
+    registry = metrics_registry()  # with several workers: every worker's samples, summed
+
     @app.get("/metrics", include_in_schema=False)
     async def metrics(state: StateDep) -> Response:
         await state.redis_ping.ok()  # the governance store's gauge as of this scrape
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
 def create_app() -> FastAPI:
-    """uvicorn factory (`--factory`): settings from the environment; tracing set up in each worker."""
+    """uvicorn factory (`--factory`): settings from the environment; logging (a no-op in the single
+    process, main() set it up) and tracing set up in each worker."""
     settings = load_settings(GatewaySettings)
+    configure_logging(settings.log_level, "gateway")
     setup_tracing("gateway")
     return build_app(settings)
 
 
 def main() -> None:
+    """uvicorn with EXAMLOPS_WORKERS processes sharing the port; each worker is a gateway replica of
+    its own (replica id, heartbeat, caches) and /metrics sums them all (svc.multiprocess_metrics)."""
     settings = load_settings(GatewaySettings)
     configure_logging(settings.log_level, "gateway")
-    uvicorn.run("examlops_gateway._app:create_app", factory=True, host=settings.host, port=settings.port,
-                workers=settings.workers, loop="uvloop", http="httptools", access_log=False,
-                log_level=settings.log_level.lower(), timeout_graceful_shutdown=10)
+    log.info("gateway: %d worker process%s on %s:%d", settings.workers, "es" if settings.workers > 1 else "",
+             settings.host, settings.port)
+    with multiprocess_metrics("gateway", settings.workers):
+        uvicorn.run("examlops_gateway._app:create_app", factory=True, host=settings.host, port=settings.port,
+                    workers=settings.workers, loop="uvloop", http="httptools", access_log=False,
+                    log_level=settings.log_level.lower(), timeout_graceful_shutdown=10)

@@ -33,8 +33,10 @@ from .http import StateDep
 
 PING_TIMEOUT_S = 0.5
 PING_CACHE_S = 1.0
+# Set by whichever worker answers the scrape (EXAMLOPS_WORKERS > 1): the latest reading is the value.
 GOVERNANCE_STORE_UP = Gauge("examlops_gateway_governance_store_up",
-                            "1 when the governance store (Redis) answered this replica's last PING, else 0.")
+                            "1 when the governance store (Redis) answered this replica's last PING, else 0.",
+                            multiprocess_mode="livemostrecent")
 
 
 class RedisPing:

@@ -28,6 +28,7 @@ from ._grpc import (
     trace_context_interceptors,
 )
 from ._logging import configure_logging
+from ._metrics import metrics_dir, metrics_registry, multiprocess_enabled, multiprocess_metrics, serve_metrics
 from ._redact import redact, redact_setting
 from ._redis import (
     REDIS_URL_VAR,
@@ -71,6 +72,7 @@ from ._tracing import (
     with_trace_context,
 )
 from ._wire import PARAM_KEY, REASON_KEY
+from ._workers import WorkerSlot, run_workers
 
 __all__ = [
     "ADDRESSLESS_ENGINES",
@@ -98,6 +100,7 @@ __all__ = [
     "ServiceSettings",
     "TokenError",
     "TracingConfig",
+    "WorkerSlot",
     "abort",
     "blocking_channel",
     "build_grpc_server",
@@ -110,6 +113,10 @@ __all__ = [
     "is_cluster_url",
     "load_accepted_tokens",
     "load_settings",
+    "metrics_dir",
+    "metrics_registry",
+    "multiprocess_enabled",
+    "multiprocess_metrics",
     "parse_state",
     "parse_tokens",
     "ping_all",
@@ -120,6 +127,8 @@ __all__ = [
     "redis_primaries",
     "replica_routable",
     "routable_replicas",
+    "run_workers",
+    "serve_metrics",
     "serve_until_signal",
     "server_auth",
     "settings_error_lines",

@@ -184,16 +184,18 @@ def build_grpc_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     auth: ServerAuth,
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A grpc.aio server with health, reflection, metrics, caller authentication (`auth`) and, when
     tracing is on, a SERVER span per call.
 
     Returns it with its bound port; port=0 binds a free port (tests use that). Refused calls are
-    counted too: the metrics interceptor runs outside the authentication one.
+    counted too: the metrics interceptor runs outside the authentication one. `reuse_port` lets
+    several worker processes listen on one port (SO_REUSEPORT; run_workers checks the port first).
     """
     tracing: list[grpc.aio.ServerInterceptor] = [_TracingInterceptor()] if tracing_enabled() else []
     server = grpc.aio.server(interceptors=[*tracing, _MetricsInterceptor(), auth.interceptor()], options=[
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         # Clients reconnect every minute (in-flight calls finish first, a generation's read timeout
