@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export EXAMLOPS_USECASE_DIR ?= $(CURDIR)/usecases
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help up down status logs test test-fast lint protos lock bench venv system-deps test-deps vllm-env quant-env compose-env clean
+.PHONY: help up down status logs test test-fast lint protos lock bench bench-peers venv system-deps test-deps vllm-env quant-env compose-env clean
 
 help: ## Show the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -91,6 +91,9 @@ bench: venv system-deps ## Gateway overhead, governance's, the response cache's,
 	@$(PY) bench/bench_cache.py
 	@$(PY) bench/bench_routing.py
 	@$(PY) bench/bench_tracing.py
+
+bench-peers: venv system-deps ## LiteLLM's proxy, a plain proxy and ours in front of one stub, pinned (installs LiteLLM once)
+	@out="$$(bash scripts/litellm-env.sh)" && eval "$$out" && $(PY) bench/bench_peers.py --litellm-venv "$$LITELLM_VENV"
 
 compose-env: ## Write fresh secrets (admin key, internal tokens, vLLM key) into ./.env for docker compose (0600; keeps existing ones)
 	@python3 scripts/compose_env.py

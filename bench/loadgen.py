@@ -2,7 +2,9 @@
 
 It runs in its own process so that its CPU is not the servers'. Each client is one keep-alive
 connection sending one request at a time (no pipelining); latency is from the write of the request
-to the last byte of the response (for a stream: the chunked terminator after `data: [DONE]`).
+to the last byte of the response (for a stream: the chunked terminator after `data: [DONE]`), and
+for a stream the time to first token (TTFT) is from that write to the arrival of the first byte of
+the first `data:` event.
 The request bytes are built once, so the client costs the same few microseconds in front of any
 server, which is what makes "direct" and "through the gateway" comparable.
 
@@ -12,7 +14,8 @@ Driven by bench_gateway.py over stdin/stdout, one JSON object a line:
                "concurrency": 32, "requests": 10000, "warmup": 500, "max_seconds": 25}
     child  -> {"event": "ready"}          connections open, warm-up done; CPU snapshot now
     parent -> "go"
-    child  -> {"event": "done", "count": ..., "errors": ..., "elapsed_s": ..., "rps": ..., "p50_ms": ...}
+    child  -> {"event": "done", "count": ..., "errors": ..., "elapsed_s": ..., "rps": ..., "p50_ms": ...,
+               "ttft_p50_ms": ..., "ttft_p90_ms": ..., "ttft_p99_ms": ...}   (the ttft_* are null unless "stream")
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
         self.closed = False
+        self.first_event_ns = 0  # perf_counter_ns when the first `data:` of the current response arrived
         self._reset()
 
     def _reset(self) -> None:
@@ -57,10 +61,15 @@ class Connection(asyncio.Protocol):
 
     def send(self, request: bytes) -> asyncio.Future[tuple[int, bytes]]:
         self.waiter = asyncio.get_running_loop().create_future()
+        self.first_event_ns = 0
         self.transport.write(request)
         return self.waiter
 
     def data_received(self, data: bytes) -> None:
+        if not self.first_event_ns and b"data:" in data:
+            # a `data:` split across two reads is not seen here: the stub and the proxies under test
+            # write whole events, and a missed one only delays the stamp to the next event's arrival
+            self.first_event_ns = time.perf_counter_ns()
         self.buf += data
         try:
             done = self._parse()
@@ -164,7 +173,8 @@ class Runner:
             if not conn.closed:
                 conn.transport.close()
 
-    async def _client(self, i: int, quota: list[int], deadline: float, lat: list[int] | None) -> None:
+    async def _client(self, i: int, quota: list[int], deadline: float, lat: list[int] | None,
+                      ttft: list[int] | None) -> None:
         perf = time.perf_counter_ns
         request, stream = self.request, self.stream
         while quota[0] > 0 and time.monotonic() < deadline:
@@ -184,19 +194,23 @@ class Runner:
                 continue
             if lat is not None:
                 lat.append(t1 - t0)
+            if ttft is not None:
+                ttft.append((conn.first_event_ns or t1) - t0)
 
     def _error(self, what: str) -> None:
         self.errors += 1
         if not self.first_error:
             self.first_error = what
 
-    async def run(self, requests: int, max_seconds: float, record: bool) -> tuple[list[int], float]:
+    async def run(self, requests: int, max_seconds: float, record: bool) -> tuple[list[int], list[int], float]:
+        """(latencies, TTFTs (streams only), elapsed seconds) of up to `requests` requests."""
         lat: list[int] | None = [] if record else None
+        ttft: list[int] | None = [] if record and self.stream else None
         quota = [requests]
         deadline = time.monotonic() + max_seconds
         start = time.perf_counter()
-        await asyncio.gather(*(self._client(i, quota, deadline, lat) for i in range(self.concurrency)))
-        return lat or [], time.perf_counter() - start
+        await asyncio.gather(*(self._client(i, quota, deadline, lat, ttft) for i in range(self.concurrency)))
+        return lat or [], ttft or [], time.perf_counter() - start
 
 
 def percentile(sorted_ns: list[int], q: float) -> float:
@@ -207,14 +221,18 @@ def percentile(sorted_ns: list[int], q: float) -> float:
     return sorted_ns[k] / 1e6
 
 
-def summarize(lat: list[int], elapsed: float, errors: int, first_error: str) -> dict[str, Any]:
+def summarize(lat: list[int], elapsed: float, errors: int, first_error: str,
+              ttft: list[int] | None = None) -> dict[str, Any]:
     lat.sort()
     count = len(lat)
+    if ttft:
+        ttft.sort()
+    ttft_ms = {f"ttft_p{q}_ms": percentile(ttft, q) if ttft else None for q in (50, 90, 99)}
     return {"event": "done", "count": count, "errors": errors, "first_error": first_error,
             "elapsed_s": elapsed, "rps": count / elapsed if elapsed > 0 else 0.0,
             "mean_ms": (sum(lat) / count / 1e6) if count else float("nan"),
             "p50_ms": percentile(lat, 50), "p90_ms": percentile(lat, 90), "p99_ms": percentile(lat, 99),
-            "max_ms": lat[-1] / 1e6 if lat else float("nan")}
+            "max_ms": lat[-1] / 1e6 if lat else float("nan"), **ttft_ms}
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -232,8 +250,8 @@ async def phase(spec: dict[str, Any]) -> None:
         emit({"event": "ready", "warmup_errors": warm_errors, "first_error": runner.first_error})
         if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
             return
-        lat, elapsed = await runner.run(int(spec["requests"]), float(spec["max_seconds"]), record=True)
-        emit(summarize(lat, elapsed, runner.errors, runner.first_error))
+        lat, ttft, elapsed = await runner.run(int(spec["requests"]), float(spec["max_seconds"]), record=True)
+        emit(summarize(lat, elapsed, runner.errors, runner.first_error, ttft))
     finally:
         runner.close()
 
