@@ -242,10 +242,13 @@ def deferred_interrupts() -> Iterator[None]:
 @contextlib.contextmanager
 def bring_up(workdir: Path) -> Iterator[Parts]:
     with contextlib.ExitStack() as parts:
-        say(f"starting Redis, the stub and the five services (logs in {workdir})")
+        say(f"starting two Redis (the registry's, the gateway's), the stub and the five services (logs in {workdir})")
         with deferred_interrupts():  # start_redis returns the process only once Redis answers
             redis_server: RedisServer = start_redis(workdir / "redis")
             parts.callback(redis_server.proc.stop)
+            # the gateway's own Redis, as `make up` runs it (GOVERNANCE.md, Durability)
+            gateway_redis: RedisServer = start_redis(workdir / "gateway-redis", fsync="everysec")
+            parts.callback(gateway_redis.proc.stop)
 
         stub_port = free_port()
         stub_url = f"http://127.0.0.1:{stub_port}"
@@ -254,7 +257,7 @@ def bring_up(workdir: Path) -> Iterator[Parts]:
         parts.callback(stub.stop)
         wait_http(stub_url + "/health", 15, stub)
 
-        stack = parts.enter_context(running_stack(workdir / "stack", redis_server))
+        stack = parts.enter_context(running_stack(workdir / "stack", redis_server, gateway_redis=gateway_redis))
         stack.register(ENDPOINT, engine="vllm-server", base_url=stub_url)
         check_with_openai(stub_url, "stub")
         check_with_openai(stack.gateway_url, "gateway")
@@ -266,7 +269,8 @@ def bring_up(workdir: Path) -> Iterator[Parts]:
                 "stub": stub.pid, "client": loadgen.pid}
         # the rest of the stack, summed as "other": nothing of it should be on the request path
         pids.update({f"other:{name}": stack.procs[name].pid for name in ("registry", "mediaguard", "launcher")})
-        pids["other:redis"] = redis_server.proc.pid
+        pids["other:redis"] = gateway_redis.proc.pid  # the one on the governed request path
+        pids["other:registry-redis"] = redis_server.proc.pid
         try:
             yield Parts(stub_url, stack, loadgen, pids)
         finally:

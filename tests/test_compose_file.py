@@ -79,8 +79,8 @@ def test_compose_profiles_are_vllm_and_vllm_cpu() -> None:
 
 
 def test_default_profile_is_the_cpu_stack(default_stack: dict[str, Any]) -> None:
-    assert set(default_stack["services"]) == {"redis", *SERVICES, *OBSERVABILITY}
-    assert set(default_stack["volumes"]) >= {"redis_data", "prometheus_data", "grafana_data"}
+    assert set(default_stack["services"]) == {"redis", "gateway-redis", *SERVICES, *OBSERVABILITY}
+    assert set(default_stack["volumes"]) >= {"redis_data", "gateway_redis_data", "prometheus_data", "grafana_data"}
 
 
 def test_every_service_has_a_healthcheck() -> None:
@@ -101,6 +101,12 @@ def test_redis_keeps_an_fsynced_append_only_file_on_a_named_volume(default_stack
     assert "--appendonly yes" in cmd and "--appendfsync always" in cmd
     assert {"type": "volume", "source": "redis_data", "target": "/data"}.items() <= redis["volumes"][0].items()
     assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+    # The gateway's own Redis: AOF on, fsynced once a second (GOVERNANCE.md, Durability).
+    gateway = default_stack["services"]["gateway-redis"]
+    cmd = " ".join(gateway["command"])
+    assert gateway["image"].startswith("redis:7") and "--appendonly yes" in cmd and "--appendfsync everysec" in cmd
+    volume = {"type": "volume", "source": "gateway_redis_data", "target": "/data"}
+    assert volume.items() <= gateway["volumes"][0].items()
 
 
 def test_services_build_from_the_one_recipe_at_the_repo_root(default_stack: dict[str, Any]) -> None:
@@ -118,7 +124,7 @@ def test_depends_on_waits_for_healthy_real_dependencies(default_stack: dict[str,
         deps = services[name].get("depends_on") or {}
         assert set(deps) == needs, name
         assert all(d["condition"] == "service_healthy" for d in deps.values()), name
-    assert not services["redis"].get("depends_on")
+    assert not services["redis"].get("depends_on") and not services["gateway-redis"].get("depends_on")
 
 
 def test_services_are_wired_to_each_other_by_service_name(default_stack: dict[str, Any]) -> None:
@@ -131,7 +137,7 @@ def test_services_are_wired_to_each_other_by_service_name(default_stack: dict[st
     assert env["launcher"]["EXAMLOPS_REGISTRY_ADDR"] == registry
     assert env["gateway"]["EXAMLOPS_REGISTRY_ADDR"] == registry
     assert env["gateway"]["EXAMLOPS_ENGINE_PROXY_ADDR"] == f"engine-proxy:{DEFAULT_PORTS['engine-proxy']}"
-    assert env["gateway"]["EXAMLOPS_REDIS_URL"] == "redis://redis:6379/0"
+    assert env["gateway"]["EXAMLOPS_GATEWAY_REDIS_URL"] == "redis://gateway-redis:6379/0"
     for name in ("launcher", "engine-proxy"):
         assert env[name]["EXAMLOPS_USECASE_DIR"] == "/opt/examlops/usecases"
         mount = next(v for v in services[name]["volumes"] if v["target"] == "/opt/examlops/usecases")

@@ -182,14 +182,14 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> 
 
         again = _devstack(run, offset, "up", "--engine", "echo")
         assert again.returncode == 0, again.stderr
-        assert again.stderr.count("already running") == 7  # Redis, the five services, Prometheus
+        assert again.stderr.count("already running") == 8  # two Redis, the five services, Prometheus
         assert "prometheus: already running" in again.stderr and "configuration reloaded" in again.stderr
         assert {r["part"]: r["pid"] for r in json.loads(_devstack(run, offset, "status", "--json").stdout)
                 if r["part"] not in servers} == pids
     finally:
         down = _devstack(run, offset, "down")
     assert down.returncode == 0
-    assert down.stderr.count("stopped") == 7
+    assert down.stderr.count("stopped") == 8
     assert _devstack(run, offset, "status").returncode == 1
     assert not list((run / "pids").glob("*.pid"))
     assert not (run / "port-offset").exists()

@@ -38,8 +38,8 @@ def one_container(workload: dict[str, Any]) -> dict[str, Any]:
 
 def test_kustomize_renders_every_part(rendered: list[dict[str, Any]]) -> None:
     assert set(objects(rendered, "Deployment")) == set(SERVICES)
-    assert set(objects(rendered, "StatefulSet")) == {"redis"}
-    assert set(objects(rendered, "Service")) == {"redis", *SERVICES}
+    assert set(objects(rendered, "StatefulSet")) == {"redis", "gateway-redis"}
+    assert set(objects(rendered, "Service")) == {"redis", "gateway-redis", *SERVICES}
     [config] = objects(rendered, "ConfigMap").values()
     assert config["metadata"]["name"].startswith("examlops-config-")  # generated, content-hashed
     assert not objects(rendered, "Secret")  # every secret is the operator's (see the next tests)
@@ -130,7 +130,7 @@ def test_shared_config_addresses_resolve_to_rendered_services(rendered: list[dic
     assert data["EXAMLOPS_HOST"] == "0.0.0.0"
     # Every workload reads the config under its generated name.
     for name, workload in workloads(rendered):
-        if name != "redis":
+        if name not in ("redis", "gateway-redis"):
             refs = [e["configMapRef"]["name"] for e in one_container(workload)["envFrom"]]
             assert refs == [config["metadata"]["name"]], name
 
@@ -169,6 +169,12 @@ def test_redis_is_a_statefulset_with_a_claim_and_a_headless_service(rendered: li
     # The registry talks to the one pod that holds the data.
     assert config["data"]["EXAMLOPS_REDIS_URL"] == "redis://redis-0.redis:6379/0"
     assert redis["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == UID
+    # The gateway's own Redis: the same shape, fsynced once a second (GOVERNANCE.md, Durability).
+    gateway, svc = objects(rendered, "StatefulSet")["gateway-redis"], objects(rendered, "Service")["gateway-redis"]
+    assert svc["spec"]["clusterIP"] == "None" and gateway["spec"]["serviceName"] == "gateway-redis"
+    args = " ".join(one_container(gateway)["args"])
+    assert "--appendonly yes" in args and "--appendfsync everysec" in args
+    assert config["data"]["EXAMLOPS_GATEWAY_REDIS_URL"] == "redis://gateway-redis-0.gateway-redis:6379/0"
 
 
 def test_no_manifest_uses_yaml_anchors_or_aliases() -> None:

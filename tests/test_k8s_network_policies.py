@@ -18,8 +18,10 @@ CALLERS: dict[str, set[str] | None] = {
     "mediaguard": {"engine-proxy"},
     "registry": {"gateway", "launcher", "engine-proxy"},
     "launcher": set(),
-    "redis": {"registry", "gateway"},
+    "redis": {"registry"},
+    "gateway-redis": {"gateway"},
 }
+REDIS = ("redis", "gateway-redis")
 OPERATOR = {"examlops.io/operator": "true"}
 TOKENS_SECRET = "examlops-internal-tokens"
 
@@ -65,13 +67,13 @@ def test_every_part_has_exactly_one_ingress_policy_letting_in_only_its_callers(
         assert len(mine) == 1, (name, [p["metadata"]["name"] for p in mine])
         [policy] = mine
         assert policy["spec"]["policyTypes"] == ["Ingress"], name
-        main_port = 6379 if name == "redis" else DEFAULT_PORTS[name]
+        main_port = 6379 if name in REDIS else DEFAULT_PORTS[name]
         expected = CALLERS[name]
         sources = allowed_sources(policy, workload, pods, main_port)
         if expected is None:
             assert sources is None, name
             continue
-        operators = set() if name == "redis" else {"operator"}
+        operators = set() if name in REDIS else {"operator"}
         assert sources == expected | operators, name
         # Any other port a pod listens on: only metrics, and only the metrics port is open to all.
         [c] = workload["spec"]["template"]["spec"]["containers"]

@@ -63,7 +63,7 @@ def gateway_redis(settings: GatewaySettings) -> redis.Redis:
 
     A Redis restart leaves dead pooled connections: they are retried once connected again, briefly.
     """
-    return redis_client(settings.redis_url, max_connections=settings.redis_max_connections, wait_s=10,
+    return redis_client(settings.store_url, max_connections=settings.redis_max_connections, wait_s=10,
                         health_check_interval=30, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=3),
                         retry_on=(redis.ConnectionError,))
 
@@ -77,7 +77,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             log.error("%s", exc)
             raise SystemExit(str(exc)) from None
         try:
-            await ping_redis(client, settings.redis_url)
+            await ping_redis(client, settings.store_url)
         except RedisUnavailable as exc:
             log.error("%s", exc)
             await client.aclose()
@@ -89,10 +89,10 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         registry_channel = insecure_channel(settings.registry_addr, token)
         registry = reg_grpc.RegistryStub(registry_channel)
         prices = PriceBook()
-        reaper = Reaper(client, settings, replica_id)
-        await reaper.heartbeat()  # alive before the first reservation
         engine_proxy = ep_grpc.EngineProxyStub(channel)
         governor = Governor(settings, client, prices, replica_id, routes)
+        reaper = Reaper(client, settings, replica_id, governor.watch)
+        await reaper.start()  # alive before the first reservation; a warning if the store has no AOF
         guardrails = GuardrailBook(client, engine_proxy_ask(engine_proxy, governor), settings.guardrail_refresh_s)
         await guardrails.refresh()  # the policies in force before the first call
         cache_book = CacheBook(client, settings.cache_refresh_s)
@@ -106,7 +106,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             registry=registry, registry_channel=registry_channel, redis=client, prices=prices,
             governor=governor, replica_id=replica_id,
             guard=GuardStage(guardrails, on_block=block_auditor(registry, governor.background)),
-            redis_ping=RedisPing(settings.redis_url),
+            redis_ping=RedisPing(settings.store_url),
             key_check=KeyCheck(client, settings.key_check_ttl_s, settings.key_check_cache_size),
             cache=CacheStage(cache_book, client, index, functools.partial(embed, engine_proxy),
                              settings.cache_embed_timeout_s))

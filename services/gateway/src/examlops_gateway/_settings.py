@@ -44,9 +44,16 @@ class GatewaySettings(ServiceSettings):
     key_check_cache_size: int = Field(default=10_000, ge=1,
                                       description="Most valid, and most invalid, keys kept by that check.")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0",
-                           description="Redis holding virtual keys, budgets, rate limits and cost records: "
+                           description="The registry's Redis, which also holds the gateway's state (virtual keys, "
+                                       "budgets, rate limits, cost records) unless EXAMLOPS_GATEWAY_REDIS_URL is set: "
                                        "redis://host:port/db, or redis+cluster://host:port[,host:port...] "
                                        "for a Redis Cluster (rediss:// and rediss+cluster:// with TLS).")
+    gateway_redis_url: str = Field(default="",
+                                   description="Redis of the gateway's own state (virtual keys, budgets, rate limits, "
+                                               "cost records, caches, guardrail policies) when it is not the "
+                                               "registry's EXAMLOPS_REDIS_URL (same forms); run it with AOF on "
+                                               "(appendfsync everysec: GOVERNANCE.md, Durability). Empty: "
+                                               "EXAMLOPS_REDIS_URL.")
     redis_max_connections: int = Field(default=64, ge=1,
                                        description="Redis connections per gateway process (calls wait beyond); "
                                                    "on a Redis Cluster, concurrent commands (each node's pool "
@@ -95,6 +102,11 @@ class GatewaySettings(ServiceSettings):
     cost_window_s: int = Field(default=30, ge=1, le=600,
                                description="gpu-hour: the window, in seconds, of a server's recent token "
                                            "throughput.")
+
+    @property
+    def store_url(self) -> str:
+        """The Redis the gateway keeps its state in: EXAMLOPS_GATEWAY_REDIS_URL, else EXAMLOPS_REDIS_URL."""
+        return self.gateway_redis_url or self.redis_url
 
     @field_validator("llm_cost_provider")
     @classmethod

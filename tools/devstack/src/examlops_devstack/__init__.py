@@ -12,8 +12,9 @@ from ._prometheus import (
     render_local_config,
     wait_prometheus_ready,
 )
-from ._stack import SERVICES, StackPorts, StackTokens, service_argv, service_env, stack_tokens
+from ._stack import SERVICES, StackPorts, StackTokens, redis_argv, service_argv, service_env, stack_tokens
 
 __all__ = ["OBSERVABILITY_DIR", "PROMETHEUS_INSTALL_HINT", "SERVICES", "Proc", "StackPorts", "StackTokens", "free_port",
-           "group_members", "http_ok", "local_targets", "prometheus_argv", "render_local_config", "service_argv",
-           "service_env", "spawn", "stack_tokens", "stop_group", "wait_grpc", "wait_http", "wait_prometheus_ready"]
+           "group_members", "http_ok", "local_targets", "prometheus_argv", "redis_argv", "render_local_config",
+           "service_argv", "service_env", "spawn", "stack_tokens", "stop_group", "wait_grpc", "wait_http",
+           "wait_prometheus_ready"]

@@ -15,7 +15,7 @@ def main() -> int:
                                      description="Run the ExaMLOps stack as local background processes.")
     parser.add_argument("--run-dir", type=Path, default=Path(".run"), help="State, pid files and logs.")
     parser.add_argument("--port-offset", type=int, default=None,
-                        help="Shift every port (Redis 6379, gRPC 50051-50054 and their metrics 50061-50064, "
+                        help="Shift every port (Redis 6379 and 6380, gRPC 50051-50054 and their metrics 50061-50064, "
                              "gateway 8080, vLLM 8000, MiniLM 8001, Prometheus 9099) by N (default: "
                              "EXAMLOPS_DEV_PORT_OFFSET, else the offset of the stack running "
                              "from --run-dir, else 0).")

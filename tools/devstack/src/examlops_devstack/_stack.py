@@ -31,6 +31,8 @@ SERVICES: dict[str, str] = {
 @dataclass
 class StackPorts:
     redis: int = 6379
+    #: The gateway's own Redis (virtual keys, budgets, cost records: appendfsync everysec); None: `redis`.
+    gateway_redis: int | None = None
     services: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
     vllm: int = 8000      # SmolLM2 (generation)
     minilm: int = 8001    # all-MiniLM-L6-v2 (embeddings); the sample pack's minilm.yaml says the same
@@ -43,7 +45,8 @@ class StackPorts:
     def with_offset(cls, offset: int) -> StackPorts:
         """The default ports shifted by `offset`, for a second stack beside the first; each gRPC
         service's metrics port is its own port + 10 (50061-50064)."""
-        return cls(redis=6379 + offset, services={k: v + offset for k, v in DEFAULT_PORTS.items()},
+        return cls(redis=6379 + offset, gateway_redis=6380 + offset,
+                   services={k: v + offset for k, v in DEFAULT_PORTS.items()},
                    vllm=8000 + offset, minilm=8001 + offset, prometheus=9099 + offset,
                    metrics={k: v + 10 + offset for k, v in DEFAULT_PORTS.items() if k != "gateway"})
 
@@ -53,6 +56,10 @@ class StackPorts:
     @property
     def redis_url(self) -> str:
         return f"redis://127.0.0.1:{self.redis}/0"
+
+    @property
+    def gateway_redis_url(self) -> str:
+        return self.redis_url if self.gateway_redis is None else f"redis://127.0.0.1:{self.gateway_redis}/0"
 
     @property
     def gateway_url(self) -> str:
@@ -66,6 +73,13 @@ class StackPorts:
         """EXAMLOPS_METRICS_PORT of the process that serves `name` (not in service_env: a second
         process started from a service's environment would find the port taken)."""
         return {"EXAMLOPS_METRICS_PORT": str(self.metrics[name])} if name in self.metrics else {}
+
+
+def redis_argv(exe: str, port: int, data: Path, fsync: str) -> list[str]:
+    """One Redis as the stack runs it: AOF on, no snapshots, `fsync` its appendfsync policy (always for
+    the registry's, everysec for the gateway's: GOVERNANCE.md, Durability)."""
+    return [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
+            "--appendfsync", fsync, "--save", "", "--daemonize", "no"]
 
 
 #: Services that call other services, each with its own token (the others only answer).
@@ -129,6 +143,8 @@ def service_env(name: str, ports: StackPorts, extra: dict[str, str] | None = Non
         "EXAMLOPS_DEV_MODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    if ports.gateway_redis is not None:
+        env["EXAMLOPS_GATEWAY_REDIS_URL"] = ports.gateway_redis_url
     if name in ports.services:
         env["EXAMLOPS_PORT"] = str(ports.services[name])
     if tokens is not None:

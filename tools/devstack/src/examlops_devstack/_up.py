@@ -1,8 +1,8 @@
 """`make up` / `make down` / `make status`: the whole stack as background processes.
 
 State lives in `.run/` of the checkout: one pid file per part it started, logs in `.run/logs/`,
-Redis data in `.run/redis/`, Prometheus' configuration and data in `.run/prometheus/`. `up` starts
-only what is down; `down` stops exactly what `up` started.
+Redis data in `.run/redis/` (the registry's) and `.run/gateway-redis/` (the gateway's), Prometheus'
+configuration and data in `.run/prometheus/`. `up` starts only what is down; `down` stops exactly what `up` started.
 
 Each part runs in its own session, so its pid is also its process group id, and every process of it
 carries EXAMLOPS_RUN_DIR=<run dir> in its environment. A part is stopped as a whole group (vLLM's
@@ -25,13 +25,16 @@ from ._procs import Proc, grpc_serving, http_ok, spawn, wait_grpc, wait_http
 from ._prometheus import start_prometheus
 from ._rundir import BOLD, GREEN, RED, RESET, RunDir, say
 from ._servers import ModelServer, model_servers, spawn_server, wait_servers
-from ._stack import SERVICES, StackPorts, StackTokens, service_argv, service_env, stack_tokens
+from ._stack import SERVICES, StackPorts, StackTokens, redis_argv, service_argv, service_env, stack_tokens
 
 #: The vLLM servers of engine vllm: SmolLM2 (generation) and MiniLM (embeddings).
 MODEL_PARTS = ["vllm", "minilm"]
 #: Optional parts: `up` carries on without them, `status` does not fail for them.
 EXTRA_PARTS = [*MODEL_PARTS, "prometheus"]
-PARTS = ["redis", *SERVICES, *EXTRA_PARTS]
+#: The registry's Redis acknowledges a write once it is fsynced (registrations, the audit trail); the
+#: gateway's once it is written, fsynced within the second (GOVERNANCE.md, Durability).
+REDIS_PARTS = {"redis": "always", "gateway-redis": "everysec"}
+PARTS = [*REDIS_PARTS, *SERVICES, *EXTRA_PARTS]
 __all__ = ["PARTS", "RunDir", "down", "status", "up"]
 
 
@@ -41,8 +44,8 @@ def _port_busy(port: int) -> bool:
 
 
 def healthy(part: str, ports: StackPorts) -> bool:
-    if part == "redis":
-        return _port_busy(ports.redis)
+    if part in REDIS_PARTS:
+        return _port_busy(_redis_port(part, ports))
     if part == "gateway":
         return http_ok(ports.gateway_url + "/healthz")
     if part in MODEL_PARTS:
@@ -56,21 +59,23 @@ def _model_port(part: str, ports: StackPorts) -> int:
     return ports.vllm if part == "vllm" else ports.minilm
 
 
-def start_redis(run: RunDir, ports: StackPorts) -> Proc:
+def _redis_port(part: str, ports: StackPorts) -> int:
+    return ports.gateway_redis if part == "gateway-redis" and ports.gateway_redis is not None else ports.redis
+
+
+def start_redis(run: RunDir, ports: StackPorts, part: str = "redis") -> Proc:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server is missing: `apt-get install redis-server` (make up does this as root)")
-    data = run.root / "redis"
+    data = run.root / part
     data.mkdir(parents=True, exist_ok=True)
-    # appendfsync always: a registration is acknowledged only once it is on disk.
-    proc = spawn("redis", [exe, "--port", str(ports.redis), "--bind", "127.0.0.1", "--dir", str(data),
-                           "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"],
-                 run.env, run.logs / "redis.log")
-    run.record("redis", proc)
+    port = _redis_port(part, ports)
+    proc = spawn(part, redis_argv(exe, port, data, REDIS_PARTS[part]), run.env, run.logs / f"{part}.log")
+    run.record(part, proc)
     deadline = time.monotonic() + 10
-    while not _port_busy(ports.redis):
+    while not _port_busy(port):
         if not proc.alive() or time.monotonic() > deadline:
-            raise SystemExit(f"redis did not start:\n{proc.log_tail()}")
+            raise SystemExit(f"{part} did not start:\n{proc.log_tail()}")
         time.sleep(0.02)
     return proc
 
@@ -118,7 +123,7 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
     started = time.monotonic()
     reap_leftovers(run, ports)
     tokens = stack_tokens(run.root)  # generated once into .run/ (0600); exa finds its own there
-    for part in ["redis", *SERVICES]:
+    for part in [*REDIS_PARTS, *SERVICES]:
         pid = run.pid(part)
         if pid is not None and healthy(part, ports):
             say(f"{part}: already running (pid {pid})")
@@ -126,8 +131,8 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
         if pid is None and healthy(part, ports):
             raise SystemExit(f"{part}: its port is taken by a process `make up` did not start; stop it first")
         try:
-            if part == "redis":
-                proc = start_redis(run, ports)
+            if part in REDIS_PARTS:
+                proc = start_redis(run, ports, part)
             else:
                 env = {**service_env(part, ports, tokens=tokens), **ports.metrics_env(part), **run.env}
                 proc = spawn(part, service_argv(part), env, run.logs / f"{part}.log")
@@ -279,8 +284,9 @@ def status(run: RunDir, ports: StackPorts, as_json: bool) -> int:
     for part in PARTS:
         pid = run.pid(part)
         ok = healthy(part, ports)
-        where = {"redis": ports.redis_url, "gateway": ports.gateway_url, "vllm": f"http://127.0.0.1:{ports.vllm}",
-                 "minilm": f"http://127.0.0.1:{ports.minilm}", "prometheus": ports.prometheus_url}.get(part) \
+        where = {"redis": ports.redis_url, "gateway-redis": ports.gateway_redis_url, "gateway": ports.gateway_url,
+                 "vllm": f"http://127.0.0.1:{ports.vllm}", "minilm": f"http://127.0.0.1:{ports.minilm}",
+                 "prometheus": ports.prometheus_url}.get(part) \
             or ports.addr(part)
         rows.append({"part": part, "pid": pid, "healthy": ok, "address": where,
                      "log": str(run.logs / f"{part}.log")})

@@ -28,7 +28,7 @@ DEPENDS_ON = {
     "mediaguard": set(),
     "engine-proxy": {"registry", "mediaguard"},
     "launcher": {"registry"},
-    "gateway": {"redis", "registry", "engine-proxy"},
+    "gateway": {"gateway-redis", "registry", "engine-proxy"},
 }
 
 

@@ -27,6 +27,7 @@ from examlops_devstack import (
     StackPorts,
     StackTokens,
     free_port,
+    redis_argv,
     service_argv,
     service_env,
     spawn,
@@ -54,15 +55,15 @@ class RedisServer:
         return redis.Redis(port=self.port, decode_responses=True)
 
 
-def start_redis(workdir: Path, port: int | None = None) -> RedisServer:
+def start_redis(workdir: Path, port: int | None = None, fsync: str = "always") -> RedisServer:
+    """A Redis as `make up` runs it (AOF on), appendfsync `fsync`: always for the registry's, everysec for
+    the gateway's own (running_stack's `gateway_redis`)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed: run `make test` (it installs Debian's redis-server)")
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    proc = spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-                           "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-                           "--daemonize", "no"], {}, workdir / "redis.log")
+    proc = spawn("redis", redis_argv(exe, port, workdir, fsync), {}, workdir / "redis.log")
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -149,9 +150,11 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(workdir: Path, redis_server: RedisServer | RedisClusterServer,
-                  extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
-    """The five services on free ports, on `redis_server` (a single Redis or a Redis Cluster)."""
-    ports = StackPorts(redis=redis_server.port, services={n: free_port() for n in SERVICES},
+                  extra_env: dict[str, str] | None = None, gateway_redis: RedisServer | None = None) -> Iterator[Stack]:
+    """The five services on free ports, on `redis_server` (a single Redis or a Redis Cluster); the gateway
+    on `gateway_redis` when given (as `make up` runs it), else on `redis_server` too."""
+    ports = StackPorts(redis=redis_server.port, gateway_redis=gateway_redis.port if gateway_redis else None,
+                       services={n: free_port() for n in SERVICES},
                        metrics={n: free_port() for n in SERVICES if n != "gateway"})  # gateway: /metrics on its port
     env = {"EXAMLOPS_REDIS_URL": redis_server.url, **(extra_env or {})}
     stack = Stack(ports, workdir, stack_tokens(workdir, TEST_OPERATOR), extra_env=env)
@@ -177,8 +180,8 @@ def wait_until(check: object, timeout_s: float = 5.0, interval_s: float = 0.02, 
 
 def ports_free(ports: StackPorts) -> bool:
     """No listener on any port of a stack's set (before `make up` is run on shifted ports)."""
-    for port in [ports.redis, ports.vllm, ports.minilm, ports.prometheus, *ports.services.values(),
-                 *ports.metrics.values()]:
+    for port in [ports.redis, ports.gateway_redis or ports.redis, ports.vllm, ports.minilm, ports.prometheus,
+                 *ports.services.values(), *ports.metrics.values()]:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return False

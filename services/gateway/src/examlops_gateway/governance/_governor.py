@@ -29,6 +29,7 @@ from examlops.svc import RouteTable
 from .._settings import GatewaySettings
 from ._budget import Generation, estimate_prompt_tokens, with_max_tokens
 from ._cost import OVERRUNS, count
+from ._durability import UNMATCHED, SettleJournal, StoreWatch
 from ._errors import GovernanceUnavailable
 from ._keys import ADMIN_ID, redis_keys
 from ._prices import MICRO, Price, PriceBook, Rates
@@ -187,9 +188,11 @@ class Ticket:
             delay = min(delay * 2, SETTLE_RETRY_MAX_S)
 
     async def _record(self, args: SettleArgs, retrying: bool) -> bool:
-        """One settle.lua call; False when Redis did not answer."""
+        """One settle.lua call; False when Redis did not answer. An acknowledged settle of a reservation
+        is journaled, to be sent again if the store restarts and loses it (_durability.py)."""
+        keys, argv = redis_keys(self.caller.key_id), args.argv()
         try:
-            reply = await self.gov.settle_script(keys=redis_keys(self.caller.key_id), args=args.argv())
+            reply = await self.gov.settle_script(keys=keys, args=argv)
         except redis.RedisError as exc:
             if not retrying:
                 log.warning("cannot settle a call of key %s on %s yet (%s): cost %d micro-USD, retrying",
@@ -197,6 +200,12 @@ class Ticket:
             return False
         if retrying:
             log.info("settled a call of key %s on %s after retrying", self.caller.key_id, self.model)
+        if args.res_id and reply[0] == "ok":
+            self.gov.journal.add(keys, argv)
+        elif args.res_id and not retrying:
+            UNMATCHED.inc()
+            log.warning("a call of key %s on %s found no reservation to settle (lost in a governance store "
+                        "restart?): cost %d micro-USD not charged", self.caller.key_id, self.model, args.cost_micro)
         if reply[0] == "ok" and args.status != "404":  # an unrouted name is the client's string: no label
             count(self.model, self.project, args.status, args.prompt_tokens, args.completion_tokens,
                   args.cost_micro)
@@ -219,6 +228,11 @@ class Governor:
         self.progress_script = load_script(client, "progress.lua")
         self.key_models_script = load_script(client, "key_models.lua")
         self.background: set[asyncio.Task[None]] = set()
+        self.journal = SettleJournal()
+        self.watch = StoreWatch(client, self.journal, self._resettle)
+
+    async def _resettle(self, keys: list[str], argv: list[Any]) -> Any:
+        return await self.settle_script(keys=keys, args=argv)
 
     async def admit(self, caller: Caller, req: Generation, raw: bytes, started: float) -> Ticket:
         """Reserve the call's maximum cost and rate-limit room; raises Denied or GovernanceUnavailable."""

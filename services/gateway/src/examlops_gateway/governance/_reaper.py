@@ -18,6 +18,7 @@ import redis.asyncio as redis
 
 from .._settings import GatewaySettings
 from ._cost import REAPED
+from ._durability import StoreWatch
 from ._keys import KEY_INDEX, redis_keys
 from ._scripts import load_script
 
@@ -28,13 +29,21 @@ BATCH = 500
 
 
 class Reaper:
-    def __init__(self, client: redis.Redis, settings: GatewaySettings, replica_id: str) -> None:
+    def __init__(self, client: redis.Redis, settings: GatewaySettings, replica_id: str,
+                 watch: StoreWatch | None = None) -> None:
         self.r: Any = client  # redis-py types replies as sync|async unions; checked by the tests instead
         self.settings = settings
         self.replica_id = replica_id
         self.heartbeat_script = load_script(client, "heartbeat.lua")
         self.reap_script = load_script(client, "reap.lua")
         self.live: list[str] = []
+        self.watch = watch
+
+    async def start(self) -> None:
+        """Alive before the first reservation; the store's run and AOF state noted (a warning without AOF)."""
+        await self.heartbeat()
+        if self.watch is not None:
+            await self.watch.start()
 
     async def heartbeat(self) -> list[str]:
         ttl_ms = int(self.settings.replica_ttl_s * 1000)
@@ -81,6 +90,8 @@ class Reaper:
                     await self.reap_once()
                 else:
                     await self.heartbeat()
+                if self.watch is not None:
+                    await self.watch.observe()
             except redis.RedisError as exc:
                 log.warning("heartbeat/reaper: Redis error %s; retrying", exc)
             await asyncio.sleep(min(s.heartbeat_s, s.reaper_interval_s))
