@@ -85,12 +85,13 @@ protos: venv ## Regenerate the gRPC stubs from protos/
 lock: venv ## Recompile every service image's hashed lock (services/<name>/requirements.lock; needs PyPI)
 	@$(PY) scripts/lock_images.py
 
-bench: venv system-deps ## Gateway overhead, governance's, the response cache's, replica routing's and tracing's added cost, against in-run baselines
+bench: venv system-deps ## Gateway overhead, governance's, the response cache's, replica routing's and tracing's added cost, against in-run baselines; one gateway worker against two
 	@$(PY) bench/bench_gateway.py
 	@$(PY) bench/bench_governance.py
 	@$(PY) bench/bench_cache.py
 	@$(PY) bench/bench_routing.py
 	@$(PY) bench/bench_tracing.py
+	@$(PY) bench/bench_workers.py
 
 bench-peers: venv system-deps ## LiteLLM's proxy, a plain proxy and ours in front of one stub, pinned (installs LiteLLM once)
 	@out="$$(bash scripts/litellm-env.sh)" && eval "$$out" && $(PY) bench/bench_peers.py --litellm-venv "$$LITELLM_VENV"
