@@ -13,6 +13,7 @@ API server) is still found from its pid file and stopped: by `down`, or by the n
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import sys
@@ -145,7 +146,9 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
             run.stop(part)
             raise
         run.record(part, proc)
-        say(f"{part}: started (pid {proc.pid})")
+        # EXAMLOPS_WORKERS of `make up`'s environment reaches every service; two of them use it
+        workers = os.environ.get("EXAMLOPS_WORKERS", "1") if part in ("gateway", "engine-proxy") else "1"
+        say(f"{part}: started (pid {proc.pid}{f', {workers} workers' if workers != '1' else ''})")
     say(f"services: {tracing_config().describe()}")
     if engine == "vllm":
         if vllm_venv is None or model_dir is None or minilm_dir is None:
