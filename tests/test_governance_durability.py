@@ -176,6 +176,7 @@ def test_sigkill_of_the_governance_redis_under_load_loses_no_acknowledged_spend(
     wait_until(lambda: all(w.key(row["id"])["reserved"] == "0" for row in w.keys), 30, 0.1, "every call settled")
     records = {row["id"]: w.records(row["id"]) for row in w.keys}
     unmatched = w.metric("examlops_gateway_settles_unmatched_total")
+    counted = 0.0
     for row in w.keys:
         f, recs = w.key(row["id"]), records[row["id"]]
         assert {k: f[k] for k in settings[row["id"]]} == settings[row["id"]]  # the key and its settings survived
@@ -184,10 +185,14 @@ def test_sigkill_of_the_governance_redis_under_load_loses_no_acknowledged_spend(
             assert int(f["spent"]) <= int(f["budget"]), (row["project"], f["spent"], f["budget"])
         # every settle the gateway acknowledged has its record: none lost
         acked = w.metric("examlops_gateway_calls_total", project=row["project"])
-        assert acked == len([r for r in recs if r["status"] != "reaped"]), (row["project"], acked, len(recs))
+        assert acked <= len(recs), (row["project"], acked, len(recs))
         assert [r for r in recs if r["status"] == "reaped"] == []
-    # every 200 a client got is billed, but a call whose reservation the restart lost (counted unmatched)
+        counted += acked
+    # a record the gateway did not count is a settle whose reply was lost and whose retry answered duplicate
+    everything = sum(len(recs) for recs in records.values())
+    assert everything - unmatched <= counted <= everything, (everything, counted, unmatched)
     billed = sum(1 for recs in records.values() for r in recs if r["status"] == "200")
+    # every 200 a client got is billed, but a call whose reservation the restart lost (counted unmatched)
     assert billed <= sum(load.ok.values()) <= billed + unmatched, (billed, load.ok, unmatched)
     assert w.key(w.keys[0]["id"])["spent"] != "0" and load.count("429 budget_exceeded") >= 1
 
@@ -197,5 +202,7 @@ def test_sigkill_of_the_governance_redis_under_load_loses_no_acknowledged_spend(
     assert resp.choices[0].message.content
     assert w.metric("examlops_gateway_governance_store_aof_enabled") == 1
     assert ("examlops_gateway_governance_store_aof_delayed_fsync", ()) in w.metrics()
-    replayed = w.metric("examlops_gateway_settles_replayed_total")
-    print(f"outcomes {dict(load.outcomes)}; settles re-sent after the restart {replayed:g}, unmatched {unmatched:g}")
+    recovered = w.metric("examlops_gateway_settles_replayed_total", outcome="recovered")
+    kept = w.metric("examlops_gateway_settles_replayed_total", outcome="kept")
+    print(f"outcomes {dict(load.outcomes)}; settles re-sent after the restart: {recovered:g} recovered "
+          f"(the store had lost them), {kept:g} kept; unmatched {unmatched:g}")

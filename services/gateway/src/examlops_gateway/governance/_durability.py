@@ -42,8 +42,9 @@ REPLAYED = Counter("examlops_gateway_settles_replayed_total",
                    "Acknowledged settles sent again after the governance store restarted, by answer "
                    "(recovered: the store had lost it; kept: it had it).", ["outcome"])
 UNMATCHED = Counter("examlops_gateway_settles_unmatched_total",
-                    "First settle attempts that found no reservation: a store restart lost the reservation "
-                    "(the call goes unbilled), or a reconnect re-sent a settle that had landed.")
+                    "Settles answered duplicate, by attempt (first, retry): a store restart lost the "
+                    "reservation (the call goes unbilled), or a re-sent settle had landed already (its reply "
+                    "was lost; such a call is not in examlops_gateway_calls_total).", ["attempt"])
 
 Settle = Callable[[list[str], list[Any]], Awaitable[Any]]
 
@@ -91,6 +92,8 @@ class StoreWatch:
         if not primaries:
             return [await self.r.info("server", "persistence")]
         replies = await self.r.info("server", "persistence", target_nodes=primaries)
+        if "run_id" in replies:  # one primary: its INFO itself
+            return [replies]
         return [replies[name] for name in sorted(replies)]
 
     async def start(self) -> None:

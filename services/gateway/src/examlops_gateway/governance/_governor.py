@@ -202,10 +202,12 @@ class Ticket:
             log.info("settled a call of key %s on %s after retrying", self.caller.key_id, self.model)
         if args.res_id and reply[0] == "ok":
             self.gov.journal.add(keys, argv)
-        elif args.res_id and not retrying:
-            UNMATCHED.inc()
-            log.warning("a call of key %s on %s found no reservation to settle (lost in a governance store "
-                        "restart?): cost %d micro-USD not charged", self.caller.key_id, self.model, args.cost_micro)
+        elif args.res_id:  # duplicate: landed before (its reply was lost), or the reservation was lost
+            UNMATCHED.labels("retry" if retrying else "first").inc()
+            if not retrying:
+                log.warning("a call of key %s on %s found no reservation to settle (lost in a governance store "
+                            "restart?): cost %d micro-USD not charged", self.caller.key_id, self.model,
+                            args.cost_micro)
         if reply[0] == "ok" and args.status != "404":  # an unrouted name is the client's string: no label
             count(self.model, self.project, args.status, args.prompt_tokens, args.completion_tokens,
                   args.cost_micro)

@@ -94,6 +94,8 @@ class Reaper:
                     await self.watch.observe()
             except redis.RedisError as exc:
                 log.warning("heartbeat/reaper: Redis error %s; retrying", exc)
+            except Exception:  # a surprise (in the store's INFO, say) must not stop the heartbeat
+                log.exception("heartbeat/reaper: unexpected error; retrying")
             await asyncio.sleep(min(s.heartbeat_s, s.reaper_interval_s))
 
     async def leave(self) -> None:
