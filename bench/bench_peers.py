@@ -102,17 +102,24 @@ def measure_point(parts: bg.Parts, targets: dict[str, Target], point: str, profi
     return out
 
 
-def redis_fsync(parts: bg.Parts) -> str:
-    client = redis.Redis(port=parts.stack.ports.redis)
-    try:
-        return str(client.config_get("appendfsync").get("appendfsync", "unknown"))
-    finally:
-        client.close()
+def redis_fsync(parts: bg.Parts) -> dict[str, str]:
+    """appendfsync of the gateway's Redis (budgets, keys: on the governed path) and of the registry's."""
+    ports = parts.stack.ports
+    out = {}
+    for name, port in (("gateway_redis_appendfsync", getattr(ports, "gateway_redis", None) or ports.redis),
+                       ("registry_redis_appendfsync", ports.redis)):
+        client = redis.Redis(port=port)
+        try:
+            out[name] = str(client.config_get("appendfsync").get("appendfsync", "unknown"))
+        finally:
+            client.close()
+    return out
 
 
 def run(workdir: Path, profile_name: str, litellm_venv: Path, pinning: bool) -> dict[str, Any]:
     profile = PROFILES[profile_name]
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    load_before = os.getloadavg()[0]
     with bg.bring_up(workdir) as parts, contextlib.ExitStack() as peers:
         key = governed_key(parts)
         plain, plain_url = pt.start_plain_proxy(parts.stub_url, workdir / "plain-proxy.log")
@@ -144,8 +151,8 @@ def run(workdir: Path, profile_name: str, litellm_venv: Path, pinning: bool) -> 
             for point in pr.POINTS:
                 raw[point].append(measure_point(parts, targets, point, profile, i))
         machine = pt.machine_description(litellm, pins, {
-            "gateway_workers": os.environ.get("EXAMLOPS_WORKERS", "1"),
-            "redis_appendfsync": redis_fsync(parts)})
+            "gateway_workers": os.environ.get("EXAMLOPS_WORKERS", "1"), **redis_fsync(parts),
+            "load_average_1min": f"{load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"})
         bg.say("stopping everything")
     return pr.build_run(raw, machine, profile_name, date, profile.rounds, profile.requests_c1, profile.requests_c32)
 

@@ -193,6 +193,11 @@ def markdown(run: dict[str, Any]) -> str:
               "- pinning: " + "; ".join(f"{k}: {p}" for k, p in m["pinning"].items())]
     lines += [f"- {k}: {m[k]}" for k in m if k not in (
         "hostname", "cpu_model", "cpus", "memory_gib", "kernel", "python", "commit", "versions", "pinning")]
+    foreign = [res.get("foreign_cpu_cores", 0.0)
+               for rounds in run["raw"].values() for r in rounds for res in r.values()]
+    if foreign:
+        lines.append(f"- CPU that processes outside the run used during a measured phase: up to {max(foreign):.2f} "
+                     "cores (above ~0.15 the run was disturbed: numbers to repeat on an idle machine)")
     lines += ["", "## Each round", "", *_round_lines(run["raw"]), ""]
     return "\n".join(lines)
 

@@ -159,7 +159,7 @@ def _version(dist: str) -> str:
 
 
 def _git_commit() -> str:
-    out = subprocess.run(["git", "-C", str(BENCH.parent), "rev-parse", "--short", "HEAD"],
+    out = subprocess.run(["git", "-C", str(BENCH.parent), "describe", "--always", "--dirty"],
                          capture_output=True, text=True, check=False)
     return out.stdout.strip() or "unknown"
 
