@@ -12,6 +12,7 @@ is the sum of its cost records and within its budget, every settle the gateway a
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 import threading
@@ -34,6 +35,7 @@ FAST = {"EXAMLOPS_PRICE_REFRESH_S": "0.2", "EXAMLOPS_HEARTBEAT_S": "0.2", "EXAML
 ADMIN = {"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"}
 STUB = Path(__file__).resolve().parents[1] / "bench" / "stub_backend.py"
 MODEL = "stub"
+SLOW = "slow"   # the stream backend: 10 chunks, 0.1 s apart
 CLIENTS = 24
 #: (project, budget USD): one key refuses calls within the test, three are far from their budgets
 KEYS = [("dur-tight", 0.0015), ("dur-a", 50.0), ("dur-b", 50.0), ("dur-c", None)]
@@ -45,7 +47,7 @@ class World:
         self.keys: list[dict[str, Any]] = []
 
     def issue(self, project: str, budget: float | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"tenant": "dur", "project": project, "models": [MODEL], "rpm": 100_000}
+        body: dict[str, Any] = {"tenant": "dur", "project": project, "models": [MODEL, SLOW], "rpm": 100_000}
         if budget is not None:
             body["budget_usd"] = budget
         resp = httpx.post(self.stack.gateway_url + "/admin/keys", headers=ADMIN, json=body, timeout=10)
@@ -78,19 +80,26 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     gov = start_redis(workdir / "gateway-redis", fsync="everysec")
     port = free_port()
     stub: Proc = spawn("stub", [sys.executable, str(STUB), "--port", str(port)], {}, workdir / "stub.log")
+    slow_port = free_port()
+    slow = spawn("slow", [sys.executable, "-m", "examlops_testsupport.stream_backend", "--port", str(slow_port),
+                          "--tokens-per-chunk", "2", "--delay", "0.1"], {}, workdir / "slow.log")
     worlds: list[World] = []
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 15, stub)
+        wait_http(f"http://127.0.0.1:{slow_port}/metrics", 15, slow)
         with running_stack(workdir, registry_redis, FAST, gateway_redis=gov) as stack:
             stack.register(MODEL, engine="vllm-server", base_url=f"http://127.0.0.1:{port}")
-            out = stack.cli("gateway", "price", "set", MODEL, "--input-per-mtok", "1", "--output-per-mtok", "2")
-            assert out.returncode == 0, out.stderr
-            wait_until(lambda: any(p["model"] == MODEL for p in httpx.get(
-                stack.gateway_url + "/admin/prices", headers=ADMIN).json()["data"]), 15)
+            stack.register(SLOW, engine="vllm-server", base_url=f"http://127.0.0.1:{slow_port}")
+            for model in (MODEL, SLOW):
+                out = stack.cli("gateway", "price", "set", model, "--input-per-mtok", "1", "--output-per-mtok", "2")
+                assert out.returncode == 0, out.stderr
+            wait_until(lambda: {MODEL, SLOW} <= {p["model"] for p in httpx.get(
+                stack.gateway_url + "/admin/prices", headers=ADMIN).json()["data"]}, 15)
             worlds.append(World(stack, gov))
             yield worlds[0]
     finally:
         stub.stop()
+        slow.stop()
         for server in {id(s): s for s in [gov, *(w.gov for w in worlds)]}.values():
             server.proc.stop()  # the restarted one too
         registry_redis.proc.stop()
@@ -206,3 +215,44 @@ def test_sigkill_of_the_governance_redis_under_load_loses_no_acknowledged_spend(
     kept = w.metric("examlops_gateway_settles_replayed_total", outcome="kept")
     print(f"outcomes {dict(load.outcomes)}; settles re-sent after the restart: {recovered:g} recovered "
           f"(the store had lost them), {kept:g} kept; unmatched {unmatched:g}")
+
+
+def test_a_settle_the_restarted_store_lost_is_sent_again_and_charged_once(world: World) -> None:
+    """What a SIGKILL during a held-back write does, made certain: the store comes back from an AOF
+    copied while a stream ran (its reservation in it, its settle not), and the gateway re-sends the
+    settle it had acknowledged."""
+    w = world
+    row = w.issue("dur-lost", 50.0)
+    key_id = row["id"]
+    client = openai.OpenAI(base_url=w.stack.gateway_url + "/v1", api_key=row["virtual_key"], max_retries=0)
+    streamed: list[str] = []
+    stream = threading.Thread(target=lambda: streamed.extend(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=SLOW, max_tokens=20, stream=True, messages=[{"role": "user", "content": "go"}]) if c.choices))
+    stream.start()
+    aof = w.gov.dir / "appendonlydir"
+
+    def reserved_on_file() -> bool:
+        with w.gov.client() as r:
+            open_ = [f for f in r.hkeys("{vk:" + key_id + "}:res") if ":" not in f]  # type: ignore[union-attr]
+        return bool(open_) and all(any(f.encode() in p.read_bytes() for p in aof.iterdir()) for f in open_)
+    wait_until(reserved_on_file, 10, 0.01, "the stream's reservation is in the AOF")
+    copy = w.gov.dir.parent / "aof-during-the-stream"
+    shutil.copytree(aof, copy)
+    stream.join(30)
+    assert len("".join(streamed).split()) == 20
+    wait_until(lambda: w.records(key_id), 10, 0.05, "the stream settled")
+    recovered = w.metric("examlops_gateway_settles_replayed_total", outcome="recovered")
+
+    w.gov.proc.stop(signal.SIGKILL)
+    shutil.rmtree(aof)
+    shutil.copytree(copy, aof)
+    w.gov = start_redis(w.gov.dir, w.gov.port, fsync="everysec")
+    # The store is back without the settle (the replica may re-send it within a heartbeat): "recovered"
+    # says the settle found its reservation open again, as a settle held back by the crash would.
+    wait_until(lambda: w.metric("examlops_gateway_settles_replayed_total", outcome="recovered") >= recovered + 1,
+               15, 0.05, "the lost settle is sent again")
+    (record,) = w.records(key_id)
+    f = w.key(key_id)
+    assert record["completion_tokens"] == "20" and record["late"] == "0"
+    assert f["reserved"] == "0" and int(f["spent"]) == int(record["cost_micro_usd"]) > 0
