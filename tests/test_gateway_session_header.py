@@ -45,6 +45,11 @@ class RecordingEngineProxy(ep_grpc.EngineProxyServicer):
         yield pb.GenerateChunk(data=orjson.dumps(answer), final=True,
                                usage=pb.Usage(prompt_tokens=2, completion_tokens=1))
 
+    def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateChunk:
+        """A whole answer (the gateway's non-streamed calls): Generate's one message."""
+        (answer,) = self.Generate(request, context)
+        return answer
+
 
 def _routable(url: str, name: str) -> bool:
     resp = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"})

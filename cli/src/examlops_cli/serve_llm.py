@@ -277,16 +277,16 @@ def chat(
             notes.extend(chunk.warnings)
             if chunk.HasField("usage"):
                 usage = chunk.usage
-            if not chunk.data:
-                continue
-            obj = orjson.loads(chunk.data)
-            for choice in obj.get("choices", []):
-                piece = (choice.get("delta" if stream else "message") or {}).get("content")
-                if piece:
-                    text.append(piece)
-                    if stream and not Ctx.json:
-                        sys.stdout.write(piece)
-                        sys.stdout.flush()
+            # a message carries one chunk's JSON (data) or the SSE frames of several (sse)
+            events = [f[6:] for f in chunk.sse.split(b"\n\n") if f] if chunk.sse else [chunk.data]
+            for obj in (orjson.loads(e) for e in events if e):
+                for choice in obj.get("choices", []):
+                    piece = (choice.get("delta" if stream else "message") or {}).get("content")
+                    if piece:
+                        text.append(piece)
+                        if stream and not Ctx.json:
+                            sys.stdout.write(piece)
+                            sys.stdout.flush()
     except grpc.RpcError as exc:
         reason, param = error_reason(exc)
         if reason and reason.startswith("media_"):

@@ -301,6 +301,13 @@ class EmbeddingsServicer(ep_grpc.EngineProxyServicer):
                     "huge": orjson.dumps({"data": [{"embedding": [3e39, 4e39] + [0.0] * 6}]})}[route]
         yield pb.GenerateChunk(data=data, final=True, usage=pb.Usage(prompt_tokens=3))
 
+    async def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateChunk:
+        """What embed() calls: Generate's messages as one (none: an empty answer)."""
+        answer = pb.GenerateChunk()
+        async for chunk in self.Generate(request, context):
+            answer.MergeFrom(chunk)
+        return answer
+
 
 def call_embed(route: str, timeout_s: float = 2.0) -> tuple[np.ndarray, EmbeddingsServicer]:
     """embed() through a real gRPC channel to the servicer above, served on a free port for this call."""

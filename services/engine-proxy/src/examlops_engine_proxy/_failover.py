@@ -13,7 +13,7 @@ is charged once.
 The first message names the replica that answers; on an endpoint with speculative decoding the
 final message carries the call's SpecDecode (_spec_decode: the answering replica's counters from
 its last scrape before the attempt to a scrape after the last byte, taken before the final message
-is sent).
+is sent; a final message that brought stream chunks is split, so the chunks go on before the scrape).
 """
 
 from __future__ import annotations
@@ -83,9 +83,8 @@ async def generate_over(pool: ReplicaSet, gen: Generation, key: str | None,
                 if replica.base_url:
                     replica.succeeded()
                 first.replica = replica.id
-                yield await _ending(first, replica, before)
-                async for chunk in chunks:
-                    yield await _ending(chunk, replica, before)
+                async for chunk in _answer(first, chunks, replica, before):
+                    yield chunk
                 return
         except ReplicaFailed as exc:  # after the first chunk (or not worth another replica)
             if exc.retryable and replica.base_url:
@@ -109,6 +108,22 @@ async def _spec_window_start(pool: ReplicaSet, replica: Replica) -> SpecCounters
     if not replica.scraped:
         await scrape(replica, SPEC_SCRAPE_TIMEOUT_S)
     return replica.spec
+
+
+async def _answer(first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChunk], replica: Replica,
+                  before: SpecCounters | None) -> AsyncIterator[pb.GenerateChunk]:
+    """The replica's messages as they come; the final one closes the SpecDecode window, after the
+    stream chunks it carries went on (the closing scrape must not hold them back)."""
+    chunk: pb.GenerateChunk | None = first
+    while chunk is not None:
+        if chunk.final and chunk.sse and before is not None:
+            events = pb.GenerateChunk()
+            events.CopyFrom(chunk)
+            events.final = False
+            yield events
+            chunk = pb.GenerateChunk(final=True, usage=chunk.usage if chunk.HasField("usage") else None)
+        yield await _ending(chunk, replica, before)
+        chunk = await anext(chunks, None)
 
 
 async def _ending(chunk: pb.GenerateChunk, replica: Replica, before: SpecCounters | None) -> pb.GenerateChunk:

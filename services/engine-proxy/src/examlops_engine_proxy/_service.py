@@ -1,5 +1,5 @@
 """EngineProxy gRPC servicer: route → (media guard) → a replica of the endpoint's pool (failover
-before the first chunk, _failover) → streamed back."""
+before the first chunk, _failover) → streamed back (Generate) or returned whole (GenerateOnce)."""
 
 from __future__ import annotations
 
@@ -74,40 +74,7 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         outcome = "error"
         try:
-            ep = self.resolve(request.endpoint)
-            self.check_task(ep, request.kind)
-            try:
-                body: dict[str, Any] = orjson.loads(request.body_json)
-            except orjson.JSONDecodeError:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
-                            "request body is not JSON", "")
-            entry = self.pool.entry_for(ep)
-            notes = [entry.warning] if entry.warning else []
-            dropped = 0
-            if request.kind == pb.REQUEST_KIND_CHAT and has_media(body.get("messages")):
-                body["messages"], dropped = await guard_messages(
-                    self.mediaguard, ep.name, body["messages"], ep.engine_block_json)
-                if dropped:
-                    MEDIA_DROPPED.labels(ep.name).inc(dropped)
-                    notes.append(f"endpoint {ep.name!r} is text-only: dropped {dropped} media part(s)")
-                    log.warning("%s", notes[-1])
-            body["model"] = ep.served_model_name or ep.name
-            stream = bool(body.get("stream")) and request.kind != pb.REQUEST_KIND_EMBEDDINGS
-            opts = body.get("stream_options") if stream else None
-            opts = opts if isinstance(opts, dict) else {}
-            usage_chunk = bool(opts.get("include_usage"))
-            usage_stats = usage_chunk and bool(opts.get("continuous_usage_stats"))
-            gen = Generation(kind=request.kind, body=body, stream=stream, endpoint=ep.name,
-                             want_usage_chunk=usage_chunk, want_usage_stats=usage_stats)
-            pool = entry.pool
-            key = affinity_key(pool.policy, request.kind, body, request.session_id) \
-                if len(pool.replicas) > 1 else None
-            first = True
-            async for chunk in generate_over(pool, gen, key, self.attempts(context)):
-                if first:
-                    chunk.media_parts_dropped = dropped
-                    chunk.warnings.extend(notes)
-                    first = False
+            async for chunk in self.answer(request, context):
                 yield chunk
             outcome = "ok"
         except EngineError as exc:
@@ -115,6 +82,64 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
             await abort(context, exc.code, exc.reason, str(exc), exc.param)
         finally:
             GENERATIONS.labels(request.endpoint, outcome).inc()
+
+    async def GenerateOnce(self, request: pb.GenerateRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GenerateChunk:
+        """A non-streamed answer in one message (what Generate would send, merged)."""
+        outcome = "error"
+        try:
+            answer = pb.GenerateChunk()
+            async for chunk in self.answer(request, context, once=True):
+                answer.MergeFrom(chunk)  # bytes and messages: the later one's; warnings: appended
+            outcome = "ok"
+            return answer
+        except EngineError as exc:
+            outcome = exc.reason
+            await abort(context, exc.code, exc.reason, str(exc), exc.param)
+        finally:
+            GENERATIONS.labels(request.endpoint, outcome).inc()
+
+    async def answer(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                     once: bool = False) -> AsyncIterator[pb.GenerateChunk]:
+        """The answer's messages; raises EngineError. `once`: a non-streamed call (GenerateOnce)."""
+        ep = self.resolve(request.endpoint)
+        self.check_task(ep, request.kind)
+        try:
+            body: dict[str, Any] = orjson.loads(request.body_json)
+        except orjson.JSONDecodeError:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                        "request body is not JSON", "")
+        stream = bool(body.get("stream")) and request.kind != pb.REQUEST_KIND_EMBEDDINGS
+        if once and stream:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request",
+                        "GenerateOnce answers a non-streamed request; call Generate for a stream", "stream")
+        entry = self.pool.entry_for(ep)
+        notes = [entry.warning] if entry.warning else []
+        dropped = 0
+        if request.kind == pb.REQUEST_KIND_CHAT and has_media(body.get("messages")):
+            body["messages"], dropped = await guard_messages(
+                self.mediaguard, ep.name, body["messages"], ep.engine_block_json)
+            if dropped:
+                MEDIA_DROPPED.labels(ep.name).inc(dropped)
+                notes.append(f"endpoint {ep.name!r} is text-only: dropped {dropped} media part(s)")
+                log.warning("%s", notes[-1])
+        body["model"] = ep.served_model_name or ep.name
+        opts = body.get("stream_options") if stream else None
+        opts = opts if isinstance(opts, dict) else {}
+        usage_chunk = bool(opts.get("include_usage"))
+        usage_stats = usage_chunk and bool(opts.get("continuous_usage_stats"))
+        gen = Generation(kind=request.kind, body=body, stream=stream, endpoint=ep.name,
+                         want_usage_chunk=usage_chunk, want_usage_stats=usage_stats)
+        pool = entry.pool
+        key = affinity_key(pool.policy, request.kind, body, request.session_id) \
+            if len(pool.replicas) > 1 else None
+        first = True
+        async for chunk in generate_over(pool, gen, key, self.attempts(context)):
+            if first:
+                chunk.media_parts_dropped = dropped
+                chunk.warnings.extend(notes)
+                first = False
+            yield chunk
 
     def attempts(self, context: grpc.aio.ServicerContext) -> Attempts:
         s = self.settings

@@ -1,7 +1,8 @@
 """vllm-server engine: a client of `vllm serve`'s OpenAI API (one pooled aiohttp session per replica).
 
-Also serves any OpenAI-compatible server (SGLang's subclass adds its own parameters). Stream
-chunks are forwarded as the raw bytes the server sent; each is parsed once, to capture usage.
+Also serves any OpenAI-compatible server (SGLang's subclass adds its own parameters). A stream is
+read per network read: the events each read completes go on as one message, as the bytes the server
+sent, parsed only where usage or an error must be read (_sse).
 
 Streams ask for continuous usage (`stream_options: {include_usage, continuous_usage_stats}`, vLLM
 and SGLang), so every chunk carries the tokens delivered so far: a stream cut by the client or by an
@@ -25,6 +26,7 @@ from examlops.svc import with_trace_context
 
 from .._errors import EngineRejected, ReplicaFailed
 from ._base import Generation
+from ._sse import EventReader, engine_message, usage_pb
 
 NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -44,48 +46,6 @@ def net_failure(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "read", "server disconnected"
     return "read", f"{type(exc).__name__}: {exc}".rstrip(": ")
-
-
-def _usage_pb(usage: Any) -> pb.Usage | None:
-    if not isinstance(usage, dict):
-        return None
-    return pb.Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                    completion_tokens=int(usage.get("completion_tokens") or 0))
-
-
-class RunningUsage:
-    """The usage delivered so far, from vLLM's continuous usage stats, which count per choice: a
-    chunk of choice `index` carries its prompt's tokens and that choice's completion tokens so far
-    (`index = prompt_index * n + choice`, for a list of prompts on /v1/completions)."""
-
-    __slots__ = ("completion", "n", "prompt")
-
-    def __init__(self, n: Any) -> None:
-        self.n = n if isinstance(n, int) and n > 1 else 1
-        self.prompt: dict[int, int] = {}
-        self.completion: dict[int, int] = {}
-
-    def add(self, usage: dict[str, Any], choices: list[Any]) -> pb.Usage:
-        """The running total after a chunk of one choice that carried `usage`."""
-        index = choices[0].get("index", 0) if isinstance(choices[0], dict) else 0
-        index = index if isinstance(index, int) else 0
-        self.prompt[index // self.n] = int(usage.get("prompt_tokens") or 0)
-        self.completion[index] = int(usage.get("completion_tokens") or 0)
-        return pb.Usage(prompt_tokens=sum(self.prompt.values()), completion_tokens=sum(self.completion.values()))
-
-
-def _engine_message(body: bytes) -> str:
-    try:
-        err = orjson.loads(body)
-        if isinstance(err, dict):
-            inner = err.get("error", err)
-            if isinstance(inner, dict) and inner.get("message"):
-                return str(inner["message"])
-            if err.get("message"):
-                return str(err["message"])
-    except orjson.JSONDecodeError:
-        pass
-    return body[:500].decode(errors="replace")
 
 
 class VllmServerEngine:
@@ -134,7 +94,7 @@ class VllmServerEngine:
             if not gen.stream:
                 raw = await response.read()
                 try:
-                    usage = _usage_pb(orjson.loads(raw).get("usage"))
+                    usage = usage_pb(orjson.loads(raw).get("usage"))
                 except (orjson.JSONDecodeError, AttributeError):
                     raise self.failed("protocol", "server answered with invalid JSON") from None
                 yield pb.GenerateChunk(data=raw, final=True, usage=usage)
@@ -148,39 +108,31 @@ class VllmServerEngine:
             response.release()
 
     async def _stream(self, response: aiohttp.ClientResponse, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
-        usage: pb.Usage | None = None  # the delivered usage so far; the final usage chunk's at the end
-        running = RunningUsage(gen.body.get("n"))
-        done = False
-        # Read to the end of the body even after [DONE], so the connection goes back to the pool.
-        async for line in response.content:
-            if done or not line.startswith(b"data:"):
-                continue  # blank separators, comments, event names, the body's tail
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                continue
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                raise self.failed("protocol", f"invalid stream chunk {payload[:200]!r}") from None
-            if isinstance(obj, dict) and obj.get("error"):
-                raise self.failed("engine", f"engine error mid-stream: {_engine_message(payload)}")
-            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                choices = obj.get("choices")
-                if not choices:  # the final usage chunk: the whole call's usage
-                    usage = _usage_pb(obj["usage"])
-                    if not gen.want_usage_chunk:
-                        continue
-                else:
-                    usage = running.add(obj["usage"], choices)
-                    if not gen.want_usage_stats:
-                        del obj["usage"]
-                        payload = orjson.dumps(obj)
-            yield pb.GenerateChunk(data=payload, usage=usage)
-        yield pb.GenerateChunk(final=True, usage=usage)
+        """One message per read that completed events; the last is final (with that read's events
+        when [DONE] and the body's end came in it). The body is read to its end even after [DONE],
+        so the connection goes back to the pool."""
+        events = EventReader(gen, self.failed)
+        content = response.content
+        async for data in content.iter_any():
+            sse = events.feed(data)
+            if events.error is not None:
+                if sse:
+                    yield pb.GenerateChunk(sse=sse, usage=events.usage)
+                raise events.error
+            if events.done and content.at_eof():
+                yield pb.GenerateChunk(sse=sse, usage=events.usage, final=True)
+                return
+            if sse:
+                yield pb.GenerateChunk(sse=sse, usage=events.usage)
+        sse = events.finish()
+        if events.error is not None:
+            if sse:
+                yield pb.GenerateChunk(sse=sse, usage=events.usage)
+            raise events.error
+        yield pb.GenerateChunk(sse=sse, usage=events.usage, final=True)
 
     def _raise_for(self, status: int, raw: bytes) -> None:
-        message = _engine_message(raw)
+        message = engine_message(raw)
         if status in (400, 404, 413, 422):
             raise EngineRejected(f"endpoint:{self.endpoint} refused the request ({status}): {message}")
         raise self.failed("status", f"answered {status}: {message}", status)

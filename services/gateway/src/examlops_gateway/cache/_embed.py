@@ -74,15 +74,12 @@ async def embed(engine_proxy: ep_grpc.EngineProxyStub, route: str, text: str, ti
     """Embed `text` on `route` through engine-proxy within `timeout_s`; unit-norm float32."""
     request = pb.GenerateRequest(endpoint=route, kind=pb.REQUEST_KIND_EMBEDDINGS,
                                  body_json=embeddings_request(route, text))
-    call = engine_proxy.Generate(request, timeout=timeout_s)
     try:
-        chunk = await call.read()
+        chunk = await engine_proxy.GenerateOnce(request, timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
         reason, _ = error_reason(exc)
         detail = f"{exc.code().name}{f' ({reason})' if reason else ''}: {exc.details()}"
         raise CacheEmbedError(f"the embedding route {route!r} failed: {detail}") from None
-    if chunk is grpc.aio.EOF or not chunk.data:
+    if not chunk.data:
         raise CacheEmbedError(f"the embedding route {route!r} answered nothing")
-    if not chunk.final:  # the answer is one final message: do not wait for more
-        call.cancel()
     return read_embedding(route, bytes(chunk.data))

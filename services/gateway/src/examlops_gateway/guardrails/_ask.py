@@ -19,15 +19,14 @@ def engine_proxy_ask(engine_proxy: Any, governor: Governor) -> Ask:
     async def ask(route: str, body: bytes, timeout_s: float) -> bytes:
         started = time.perf_counter()
         ticket = governor.admin_ticket(route, body, started, guarded="judge")
-        call = engine_proxy.Generate(pb.GenerateRequest(endpoint=route, kind=pb.REQUEST_KIND_CHAT, body_json=body),
-                                     timeout=timeout_s)
+        request = pb.GenerateRequest(endpoint=route, kind=pb.REQUEST_KIND_CHAT, body_json=body)
         try:
-            chunk = await call.read()
+            chunk = await engine_proxy.GenerateOnce(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:  # an unknown route is no call
                 ticket.settle_later("504" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "502")
             raise
-        if chunk is grpc.aio.EOF or not chunk.data:
+        if not chunk.data:
             ticket.settle_later("502")
             raise RuntimeError(f"the judge route {route!r} answered nothing")
         ticket.settle_later("200", chunk.usage if chunk.HasField("usage") else None, None)

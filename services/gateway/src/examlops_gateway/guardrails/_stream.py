@@ -23,6 +23,7 @@ import orjson
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
+from .._events import one_event_chunks
 from ..governance import Ticket
 from ._detectors import Finding, redact
 from ._stage import Guard, GuardrailBlocked
@@ -51,7 +52,8 @@ class GuardedCall:
         self.whole = guard.applied.judged_output  # a judge sees the whole answer: hold it all
         self.every = max(MIN_SCAN_CHARS, self.hold // 4)
         self.held: dict[int, _Held] = {}
-        self.queue: deque[Any] = deque()
+        self.queue: deque[Any] = deque()      # guarded chunks to return before reading on
+        self.split: deque[Any] = deque()      # a message's chunks not yet guarded (one_event_chunks)
         self.shape: dict[str, Any] | None = None   # the last chunk, for a flush of its own
         self.chat = True
 
@@ -61,9 +63,12 @@ class GuardedCall:
     async def read(self) -> Any:
         if self.queue:
             return self.queue.popleft()
-        chunk = await self.call.read()
+        chunk = self.split.popleft() if self.split else await self.call.read()
         if not self.stream:
             return chunk if chunk is grpc.aio.EOF else await self.guard.check_answer(chunk)
+        if chunk is not grpc.aio.EOF and chunk.sse:  # several chunks in one message: guarded one by one
+            self.split.extend(one_event_chunks(chunk))
+            chunk = self.split.popleft()
         if chunk is grpc.aio.EOF or chunk.final:
             flush = await self._flush(chunk)
             if flush is not None:

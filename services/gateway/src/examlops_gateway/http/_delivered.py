@@ -16,6 +16,8 @@ import orjson
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 
+from .._events import events_of
+
 #: the fields of a chunk's choice whose strings are generated text (chat delta, completion, tools)
 _TEXT_FIELDS = ("content", "text", "reasoning_content", "reasoning", "refusal", "arguments", "name")
 
@@ -54,7 +56,8 @@ class Delivered:
         self.beyond = 0
 
     def add(self, chunk: pb.GenerateChunk) -> None:
+        """One message sent (its chunks are split only when it came without usage)."""
         if chunk.HasField("usage"):
             self.usage, self.beyond = chunk.usage, 0
-        elif chunk.data:
-            self.beyond += completion_bound(chunk.data)
+        elif chunk.sse or chunk.data:
+            self.beyond += sum(completion_bound(data) for data in events_of(chunk))

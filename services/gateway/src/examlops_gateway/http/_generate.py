@@ -1,6 +1,7 @@
-"""The route and generate stages: find the endpoint, call engine-proxy.Generate, send the answer
-back (whole or streamed unbuffered), and settle the call when the answer ends, however it ends:
-a stream cut short (the client left, the engine failed) is billed what it delivered (_delivered).
+"""The route and generate stages: find the endpoint, call engine-proxy (GenerateOnce for a whole
+answer, Generate for a stream), send the answer back (whole, or streamed unbuffered: each message,
+the chunks one engine read brought, in one write), and settle the call when the answer ends, however
+it ends: a stream cut short (the client left, the engine failed) is billed what it delivered (_delivered).
 The engine call is the generation span (_span), which ends when the call is settled.
 """
 
@@ -16,13 +17,14 @@ import grpc
 import orjson
 from prometheus_client import Counter, Histogram
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from examlops.engine import task_of
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.svc import RouteTable, unroutable_reason
 
+from .._events import events_of, frames
 from .._state import GatewayState
 from ..governance import Ticket
 from ..guardrails import Guard, GuardedCall, GuardrailBlocked
@@ -31,6 +33,7 @@ from ._denials import from_block
 from ._errors import OpenAIError, from_grpc
 from ._span import CLIENT_GONE as GONE_CODE
 from ._span import GenerationSpan
+from ._streaming import DONE, LeanStream
 
 if TYPE_CHECKING:  # structured output's and the cache's hooks on a stream
     from ..cache import StreamTap
@@ -96,7 +99,8 @@ async def route(routes: RouteTable, ticket: Ticket, task: str = "generate") -> N
 async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: CheckedStream | None = None,
                    guard: Guard | None = None, tap: StreamTap | None = None, session_id: str = "",
                    req: Any = None) -> Response:
-    """engine-proxy.Generate; the response settles the call once it is sent (or the client leaves).
+    """engine-proxy.GenerateOnce (a whole answer) or .Generate (a stream); the response settles the
+    call once it is sent (or the client leaves).
     `checked`: a stream's structured-output check (_structured.py); `guard`: the call's output
     guardrail (guardrails/), which rewrites or blocks the engine's chunks as they are read; `tap`:
     the response cache's copy of a stream's chunks, told when the stream ended whole (cache/);
@@ -107,13 +111,23 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
                                  session_id=session_id)
     ep = state.routes.get(model)
     span = GenerationSpan(kind, ticket, ep, req)
+    stream, timeout = ticket.stream, state.settings.request_timeout_s
     with span.active():  # engine-proxy's call (and the engine's) are the span's children
-        call = state.engine_proxy.Generate(request, timeout=state.settings.request_timeout_s)
-    if guard is not None:
+        if stream:
+            call = state.engine_proxy.Generate(request, timeout=timeout)
+        else:
+            call = state.engine_proxy.GenerateOnce(request, timeout=timeout)
+    if guard is not None and stream:
         call = GuardedCall(call, guard, ticket)  # output guardrail: the chunks are read through it
     start = time.perf_counter()
     try:
-        first = await call.read()
+        if stream:
+            first = await call.read()
+        else:
+            first = await call
+            if guard is not None:  # output guardrail: the whole answer is scanned once
+                guard.ticket = ticket  # a retried attempt is a new ticket
+                first = await guard.check_answer(first)
     except grpc.aio.AioRpcError as exc:
         err = from_grpc(exc, model, admin=ticket.caller.admin)
         REQUESTS.labels(model, str(err.status)).inc()
@@ -146,7 +160,7 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
     if guard is not None and guard.fired:
         headers = {**(headers or {}), **guard.headers()}
     REQUESTS.labels(model, "200").inc()
-    if not ticket.stream:
+    if not stream:
         return _SettledAnswer(first, ticket, headers, span)
     sse = _sse(call, first, ticket, span, state.settings.heartbeat_s, checked, tap)  # notes progress once per heartbeat
     return _SettledStream(sse, call, first, ticket, headers, span)
@@ -169,7 +183,7 @@ class _SettledAnswer(Response):
             self.span.settle_later(self.ticket, "200", self.usage, None)
 
 
-class _SettledStream(StreamingResponse):
+class _SettledStream(LeanStream):
     """A stream whose call is settled even when the client leaves before the first chunk is sent."""
 
     def __init__(self, content: AsyncIterator[bytes], call: Any, first: pb.GenerateChunk, ticket: Ticket,
@@ -187,6 +201,17 @@ class _SettledStream(StreamingResponse):
                 made.add(self.first)
                 self.span.failed(GONE_CODE, "the client went away during the stream")
                 self.span.settle_later(self.ticket, CLIENT_GONE, made.usage, made.beyond)
+
+
+def _tapped(chunk: pb.GenerateChunk, checked: CheckedStream | None, tap: StreamTap | None) -> bytes:
+    """A message's frames through the cache's tap and structured output's hold."""
+    events = events_of(chunk)
+    if tap is not None:
+        for data in events:
+            tap.add(data)
+    if checked is None:
+        return frames(chunk)
+    return b"".join([b"data: " + data + b"\n\n" for data in events if not checked.holds(data)])
 
 
 def _made(exc: GuardrailBlocked) -> tuple[pb.Usage | None, int | None]:
@@ -208,20 +233,21 @@ def _notice_headers(first: pb.GenerateChunk) -> dict[str, str] | None:
 
 async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, span: GenerationSpan, note_every_s: float,
                checked: CheckedStream | None, tap: StreamTap | None = None) -> AsyncIterator[bytes]:
-    """Forward chunks as they come; settle before [DONE], or in the background if the client left.
-    A long stream notes what it delivered in its reservation now and then (for the reaper)."""
+    """Forward each message as it comes, in one write (its chunks are split only for the cache's
+    tap and structured output's check); settle before [DONE], or in the background if the client
+    left. A long stream notes what it delivered in its reservation now and then (for the reaper)."""
     chunk = first
     sent = Delivered()
     status, error = "200", b""
     noted = time.monotonic()
+    plain = tap is None and checked is None
     try:
         try:
             while True:
                 sent.add(chunk)  # counted before it is sent: the client may leave while it is
-                if tap is not None and chunk.data:
-                    tap.add(chunk.data)
-                if chunk.data and (checked is None or not checked.holds(chunk.data)):
-                    yield b"data: " + chunk.data + b"\n\n"
+                out = frames(chunk) if plain else _tapped(chunk, checked, tap)
+                if out:
+                    yield out
                 if chunk.final:
                     break
                 if time.monotonic() - noted >= note_every_s:
@@ -255,7 +281,7 @@ async def _sse(call: Any, first: pb.GenerateChunk, ticket: Ticket, span: Generat
             await asyncio.shield(settling)
         if error:
             yield error
-        yield b"data: [DONE]\n\n"
+        yield DONE  # the response sends it with the body's end
     finally:
         if not ticket.settled:  # the client went away mid-stream: stop the engine, charge what was sent
             call.cancel()

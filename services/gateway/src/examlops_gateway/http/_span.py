@@ -77,7 +77,7 @@ class GenerationSpan:
             span.set_attribute("server.address", url.hostname)
             if url.port:
                 span.set_attribute("server.port", url.port)
-        if (found := _MODEL.search(first.data)) is not None:
+        if (found := _MODEL.search(first.sse or first.data)) is not None:
             span.set_attribute("gen_ai.response.model", found.group(1).decode(errors="replace"))
         self.saw(first)
 
@@ -85,8 +85,9 @@ class GenerationSpan:
         """A message of the answer: its choices' finish reasons, the final message's SpecDecode."""
         if not self.recording:
             return
-        if chunk.data:
-            self.finish_reasons.extend(m.decode(errors="replace") for m in _FINISH.findall(chunk.data))
+        chunks = chunk.sse or chunk.data  # one chunk's JSON or several SSE frames: the pattern finds each
+        if chunks:
+            self.finish_reasons.extend(m.decode(errors="replace") for m in _FINISH.findall(chunks))
         if chunk.HasField("spec_decode"):
             spec = chunk.spec_decode
             self.span.set_attributes({"examlops.specdecode.acceptance_rate": spec.acceptance_rate,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+examlops/engine_proxy/v1/engine_proxy.proto\x12\x18\x65xamlops.engine_proxy.v1\"\x93\x01\n\x0fGenerateRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32%.examlops.engine_proxy.v1.RequestKind\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\nsession_id\x18\x05 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\xd7\x01\n\rGenerateChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12.\n\x05usage\x18\x03 \x01(\x0b\x32\x1f.examlops.engine_proxy.v1.Usage\x12\x1b\n\x13media_parts_dropped\x18\x04 \x01(\x05\x12\x10\n\x08warnings\x18\x05 \x03(\t\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x39\n\x0bspec_decode\x18\x07 \x01(\x0b\x32$.examlops.engine_proxy.v1.SpecDecode\"u\n\nSpecDecode\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x01 \x01(\x01\x12\x0f\n\x07speedup\x18\x02 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x0e\n\x06\x64rafts\x18\x05 \x01(\x03\"!\n\x11ListRoutesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xa3\x01\n\x05Route\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08routable\x18\x05 \x01(\x08\x12\x0f\n\x07routing\x18\x06 \x01(\t\x12\x38\n\x08replicas\x18\x07 \x03(\x0b\x32&.examlops.engine_proxy.v1.ReplicaStats\"\x96\x03\n\x0cReplicaStats\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x18\n\x10\x65jected_until_ms\x18\x05 \x01(\x03\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x18\n\x10requests_running\x18\x07 \x01(\x01\x12\x18\n\x10requests_waiting\x18\x08 \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x16\n\x0emetrics_age_ms\x18\n \x01(\x03\x12\x10\n\x08requests\x18\x0b \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x0c \x01(\x03\x12\x11\n\tejections\x18\r \x01(\x03\x12\x0f\n\x07retries\x18\x0e \x01(\x03\x12@\n\x05picks\x18\x0f \x03(\x0b\x32\x31.examlops.engine_proxy.v1.ReplicaStats.PicksEntry\x1a,\n\nPicksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"E\n\x12ListRoutesResponse\x12/\n\x06routes\x18\x01 \x03(\x0b\x32\x1f.examlops.engine_proxy.v1.Route*|\n\x0bRequestKind\x12\x1c\n\x18REQUEST_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11REQUEST_KIND_CHAT\x10\x01\x12\x1b\n\x17REQUEST_KIND_COMPLETION\x10\x02\x12\x1b\n\x17REQUEST_KIND_EMBEDDINGS\x10\x03\x32\xd8\x01\n\x0b\x45ngineProxy\x12`\n\x08Generate\x12).examlops.engine_proxy.v1.GenerateRequest\x1a\'.examlops.engine_proxy.v1.GenerateChunk0\x01\x12g\n\nListRoutes\x12+.examlops.engine_proxy.v1.ListRoutesRequest\x1a,.examlops.engine_proxy.v1.ListRoutesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+examlops/engine_proxy/v1/engine_proxy.proto\x12\x18\x65xamlops.engine_proxy.v1\"\x93\x01\n\x0fGenerateRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x33\n\x04kind\x18\x02 \x01(\x0e\x32%.examlops.engine_proxy.v1.RequestKind\x12\x11\n\tbody_json\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\nsession_id\x18\x05 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\xe4\x01\n\rGenerateChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\x12.\n\x05usage\x18\x03 \x01(\x0b\x32\x1f.examlops.engine_proxy.v1.Usage\x12\x1b\n\x13media_parts_dropped\x18\x04 \x01(\x05\x12\x10\n\x08warnings\x18\x05 \x03(\t\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x39\n\x0bspec_decode\x18\x07 \x01(\x0b\x32$.examlops.engine_proxy.v1.SpecDecode\x12\x0b\n\x03sse\x18\x08 \x01(\x0c\"u\n\nSpecDecode\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x01 \x01(\x01\x12\x0f\n\x07speedup\x18\x02 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x03\x12\x0e\n\x06\x64rafts\x18\x05 \x01(\x03\"!\n\x11ListRoutesRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xa3\x01\n\x05Route\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x10\n\x08routable\x18\x05 \x01(\x08\x12\x0f\n\x07routing\x18\x06 \x01(\t\x12\x38\n\x08replicas\x18\x07 \x03(\x0b\x32&.examlops.engine_proxy.v1.ReplicaStats\"\x96\x03\n\x0cReplicaStats\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x18\n\x10\x65jected_until_ms\x18\x05 \x01(\x03\x12\x11\n\tin_flight\x18\x06 \x01(\x05\x12\x18\n\x10requests_running\x18\x07 \x01(\x01\x12\x18\n\x10requests_waiting\x18\x08 \x01(\x01\x12\x16\n\x0ekv_cache_usage\x18\t \x01(\x01\x12\x16\n\x0emetrics_age_ms\x18\n \x01(\x03\x12\x10\n\x08requests\x18\x0b \x01(\x03\x12\x0e\n\x06\x65rrors\x18\x0c \x01(\x03\x12\x11\n\tejections\x18\r \x01(\x03\x12\x0f\n\x07retries\x18\x0e \x01(\x03\x12@\n\x05picks\x18\x0f \x03(\x0b\x32\x31.examlops.engine_proxy.v1.ReplicaStats.PicksEntry\x1a,\n\nPicksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"E\n\x12ListRoutesResponse\x12/\n\x06routes\x18\x01 \x03(\x0b\x32\x1f.examlops.engine_proxy.v1.Route*|\n\x0bRequestKind\x12\x1c\n\x18REQUEST_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11REQUEST_KIND_CHAT\x10\x01\x12\x1b\n\x17REQUEST_KIND_COMPLETION\x10\x02\x12\x1b\n\x17REQUEST_KIND_EMBEDDINGS\x10\x03\x32\xbc\x02\n\x0b\x45ngineProxy\x12`\n\x08Generate\x12).examlops.engine_proxy.v1.GenerateRequest\x1a\'.examlops.engine_proxy.v1.GenerateChunk0\x01\x12\x62\n\x0cGenerateOnce\x12).examlops.engine_proxy.v1.GenerateRequest\x1a\'.examlops.engine_proxy.v1.GenerateChunk\x12g\n\nListRoutes\x12+.examlops.engine_proxy.v1.ListRoutesRequest\x1a,.examlops.engine_proxy.v1.ListRoutesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REPLICASTATS_PICKSENTRY']._loaded_options = None
   _globals['_REPLICASTATS_PICKSENTRY']._serialized_options = b'8\001'
-  _globals['_REQUESTKIND']._serialized_start=1300
-  _globals['_REQUESTKIND']._serialized_end=1424
+  _globals['_REQUESTKIND']._serialized_start=1313
+  _globals['_REQUESTKIND']._serialized_end=1437
   _globals['_GENERATEREQUEST']._serialized_start=74
   _globals['_GENERATEREQUEST']._serialized_end=221
   _globals['_USAGE']._serialized_start=223
   _globals['_USAGE']._serialized_end=280
   _globals['_GENERATECHUNK']._serialized_start=283
-  _globals['_GENERATECHUNK']._serialized_end=498
-  _globals['_SPECDECODE']._serialized_start=500
-  _globals['_SPECDECODE']._serialized_end=617
-  _globals['_LISTROUTESREQUEST']._serialized_start=619
-  _globals['_LISTROUTESREQUEST']._serialized_end=652
-  _globals['_ROUTE']._serialized_start=655
-  _globals['_ROUTE']._serialized_end=818
-  _globals['_REPLICASTATS']._serialized_start=821
-  _globals['_REPLICASTATS']._serialized_end=1227
-  _globals['_REPLICASTATS_PICKSENTRY']._serialized_start=1183
-  _globals['_REPLICASTATS_PICKSENTRY']._serialized_end=1227
-  _globals['_LISTROUTESRESPONSE']._serialized_start=1229
-  _globals['_LISTROUTESRESPONSE']._serialized_end=1298
-  _globals['_ENGINEPROXY']._serialized_start=1427
-  _globals['_ENGINEPROXY']._serialized_end=1643
+  _globals['_GENERATECHUNK']._serialized_end=511
+  _globals['_SPECDECODE']._serialized_start=513
+  _globals['_SPECDECODE']._serialized_end=630
+  _globals['_LISTROUTESREQUEST']._serialized_start=632
+  _globals['_LISTROUTESREQUEST']._serialized_end=665
+  _globals['_ROUTE']._serialized_start=668
+  _globals['_ROUTE']._serialized_end=831
+  _globals['_REPLICASTATS']._serialized_start=834
+  _globals['_REPLICASTATS']._serialized_end=1240
+  _globals['_REPLICASTATS_PICKSENTRY']._serialized_start=1196
+  _globals['_REPLICASTATS_PICKSENTRY']._serialized_end=1240
+  _globals['_LISTROUTESRESPONSE']._serialized_start=1242
+  _globals['_LISTROUTESRESPONSE']._serialized_end=1311
+  _globals['_ENGINEPROXY']._serialized_start=1440
+  _globals['_ENGINEPROXY']._serialized_end=1756
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("data", "final", "usage", "media_parts_dropped", "warnings", "replica", "spec_decode")
+    __slots__ = ("data", "final", "usage", "media_parts_dropped", "warnings", "replica", "spec_decode", "sse")
     DATA_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class GenerateChunk(_message.Message):
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
+    SSE_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     final: bool
     usage: Usage
@@ -57,7 +58,8 @@ class GenerateChunk(_message.Message):
     warnings: _containers.RepeatedScalarFieldContainer[str]
     replica: str
     spec_decode: SpecDecode
-    def __init__(self, data: _Optional[bytes] = ..., final: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., media_parts_dropped: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ..., replica: _Optional[str] = ..., spec_decode: _Optional[_Union[SpecDecode, _Mapping]] = ...) -> None: ...
+    sse: bytes
+    def __init__(self, data: _Optional[bytes] = ..., final: _Optional[bool] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., media_parts_dropped: _Optional[int] = ..., warnings: _Optional[_Iterable[str]] = ..., replica: _Optional[str] = ..., spec_decode: _Optional[_Union[SpecDecode, _Mapping]] = ..., sse: _Optional[bytes] = ...) -> None: ...
 
 class SpecDecode(_message.Message):
     __slots__ = ("acceptance_rate", "speedup", "draft_tokens", "accepted_tokens", "drafts")

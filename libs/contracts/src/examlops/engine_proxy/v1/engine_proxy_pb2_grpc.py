@@ -40,6 +40,11 @@ class EngineProxyStub:
                 request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.GenerateOnce = channel.unary_unary(
+                '/examlops.engine_proxy.v1.EngineProxy/GenerateOnce',
+                request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
+                _registered_method=True)
         self.ListRoutes = channel.unary_unary(
                 '/examlops.engine_proxy.v1.EngineProxy/ListRoutes',
                 request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesRequest.SerializeToString,
@@ -51,7 +56,18 @@ class EngineProxyServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A streamed answer (also answers a non-streamed request, with its one message).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateOnce(self, request, context):
+        """A non-streamed answer (chat and completions without stream, embeddings): the same routing,
+        failover, media guard, errors and metadata as Generate, in one message that carries the first
+        message's fields too (replica, warnings, media_parts_dropped) and final's (usage, spec_decode).
+        A body with "stream": true is refused (INVALID_ARGUMENT, examlops-param "stream").
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -68,6 +84,11 @@ def add_EngineProxyServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
+                    request_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.FromString,
+                    response_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.SerializeToString,
+            ),
+            'GenerateOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateOnce,
                     request_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.FromString,
                     response_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.SerializeToString,
             ),
@@ -102,6 +123,33 @@ class EngineProxy:
             request,
             target,
             '/examlops.engine_proxy.v1.EngineProxy/Generate',
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/examlops.engine_proxy.v1.EngineProxy/GenerateOnce',
             examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
             examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
             options,
