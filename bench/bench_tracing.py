@@ -42,8 +42,13 @@ BUDGET_MS = 0.3
 STACKS = ("unset", "disabled", "on")
 PROFILES = {"full": {"rounds": 8, "requests": 400, "warmup": 50},
             "quick": {"rounds": 3, "requests": 200, "warmup": 30}}
-GENERATE = "examlops.engine_proxy.v1.EngineProxy/Generate"  # engine-proxy's span of a call
+# engine-proxy's span of a call: Generate for a stream, GenerateOnce for a whole answer
+GENERATE = ("examlops.engine_proxy.v1.EngineProxy/Generate", "examlops.engine_proxy.v1.EngineProxy/GenerateOnce")
 CHAT = "POST /v1/chat/completions"  # the gateway's
+
+
+def engine_spans(otlp: OtlpReceiver) -> int:
+    return sum(len(otlp.spans(name)) for name in GENERATE)
 
 
 def stack_env(name: str, otlp: OtlpReceiver) -> dict[str, str]:
@@ -72,7 +77,7 @@ def measure(workdir: Path, profile_name: str) -> tuple[str, dict[str, Any]]:
             bg.check_with_openai(stack.gateway_url, name)
         loadgen = bg.LoadGen()
         parts.callback(loadgen.close)
-        otlp.wait_for(lambda spans: any(s.name == GENERATE for s in spans))
+        otlp.wait_for(lambda spans: any(s.name in GENERATE for s in spans))
         otlp.clear()
 
         rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -89,13 +94,13 @@ def measure(workdir: Path, profile_name: str) -> tuple[str, dict[str, Any]]:
                     if res["errors"]:
                         raise RuntimeError(f"{name}: {res['errors']} failed requests, first: {res['first_error']}")
                     rows.setdefault((name, "stream" if stream else "non-stream"), []).append(res)
-            bg.say(f"round {r + 1}/{profile['rounds']} done; {len(otlp.spans(GENERATE))} Generate spans received")
+            bg.say(f"round {r + 1}/{profile['rounds']} done; {engine_spans(otlp)} engine-proxy call spans received")
         calls = profile["rounds"] * 2 * (profile["requests"] + profile["warmup"])
-        received = len(otlp.spans(GENERATE))
+        received = engine_spans(otlp)
         if received < calls:  # the last batch may still be in flight: give it the exporter's schedule
-            otlp.wait_for(lambda spans: sum(s.name == GENERATE for s in spans) >= calls, timeout=15)
+            otlp.wait_for(lambda spans: sum(s.name in GENERATE for s in spans) >= calls, timeout=15)
         # the call's own spans (background RPCs of the stack, e.g. price refreshes, are not per call)
-        spans = len(otlp.spans(GENERATE)) + len(otlp.spans(CHAT, service="gateway"))
+        spans = engine_spans(otlp) + len(otlp.spans(CHAT, service="gateway"))
         bg.say("stopping everything")
     return report(rows, spans / calls, profile_name), {"rows": {f"{k[0]}/{k[1]}": v for k, v in rows.items()},
                                                         "spans_per_traced_call": spans / calls}

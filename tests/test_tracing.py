@@ -22,7 +22,8 @@ from examlops_testsupport.otlp import OtlpReceiver, ReceivedSpan
 from examlops_testsupport.recorder import RecordingServer
 
 ECHO = "trace-echo"
-GENERATE = "examlops.engine_proxy.v1.EngineProxy/Generate"
+GENERATE = "examlops.engine_proxy.v1.EngineProxy/Generate"          # a stream
+GENERATE_ONCE = "examlops.engine_proxy.v1.EngineProxy/GenerateOnce"  # a whole answer
 VALIDATE = "examlops.mediaguard.v1.MediaGuard/Validate"
 CHAT = "POST /v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -91,12 +92,12 @@ def _ancestors(spans: dict[str, ReceivedSpan], span: ReceivedSpan) -> list[str]:
 def test_one_call_is_one_trace_from_the_gateway_to_engine_proxy(
         traced: tuple[Stack, OtlpReceiver, openai.OpenAI]) -> None:
     _, otlp, client = traced
-    spans = _call_trace(otlp, client, CHAT, GENERATE, messages=HELLO)
-    gateway, generate = _one(spans, CHAT), _one(spans, GENERATE)
+    spans = _call_trace(otlp, client, CHAT, GENERATE_ONCE, messages=HELLO)
+    gateway, generate = _one(spans, CHAT), _one(spans, GENERATE_ONCE)
     assert gateway.kind == generate.kind == "SERVER"
     assert gateway.service == "gateway" and generate.service == "engine-proxy"
     assert gateway.attributes["http.response.status_code"] == 200
-    assert generate.attributes["rpc.method"] == "Generate"
+    assert generate.attributes["rpc.method"] == "GenerateOnce"
     assert set(_ancestors(spans, generate)) == {"gateway"}  # engine-proxy's span hangs under the gateway's
     # engine-proxy's handler may close its span just after the gateway has answered: only starts are ordered
     assert gateway.start_ns <= generate.start_ns <= gateway.end_ns
@@ -113,7 +114,7 @@ def test_a_streamed_call_ends_its_spans_with_the_stream(traced: tuple[Stack, Otl
 
 def test_a_media_call_adds_mediaguards_span_to_the_trace(traced: tuple[Stack, OtlpReceiver, openai.OpenAI]) -> None:
     _, otlp, client = traced
-    spans = _call_trace(otlp, client, CHAT, GENERATE, VALIDATE,
+    spans = _call_trace(otlp, client, CHAT, GENERATE_ONCE, VALIDATE,
                         messages=request(image("http://example.com/cat.png")))
     validate = _one(spans, VALIDATE)
     assert validate.service == "mediaguard" and validate.kind == "SERVER"
@@ -126,14 +127,14 @@ def test_a_cache_hit_has_its_generation_span_saying_which_hit(
     cache_cli(stack, "set", "--model", ECHO, "--mode", "exact")
     try:
         question = [{"role": "user", "content": f"cache me {os.urandom(4).hex()}"}]
-        first = _call_trace(otlp, client, CHAT, GENERATE, messages=question, temperature=0)
+        first = _call_trace(otlp, client, CHAT, GENERATE_ONCE, messages=question, temperature=0)
         hit = _call_trace(otlp, client, CHAT, f"chat {ECHO}", messages=question, temperature=0)
     finally:
         cache_cli(stack, "unset", "--model", ECHO)
     generation = _one(first, f"chat {ECHO}")
     assert generation.attributes["examlops.cache"] == "miss" and generation.kind == "CLIENT"
     cached = _one(hit, f"chat {ECHO}")
-    assert GENERATE not in {s.name for s in hit.values()}, "a hit called the engine"
+    assert GENERATE_ONCE not in {s.name for s in hit.values()}, "a hit called the engine"
     assert cached.attributes["examlops.cache"] == "hit-exact"
     assert cached.attributes["examlops.cost.usd"] == 0.0
     assert "gen_ai.usage.output_tokens" not in cached.attributes  # no engine ran
@@ -157,7 +158,7 @@ def test_the_engine_gets_the_traceparent_of_the_call(traced: tuple[Stack, OtlpRe
         assert (version, sent_trace, flags) == ("00", trace_id, "01")
         otlp.wait_for(lambda spans: any(s.span_id == sent_parent for s in spans))
         (parent,) = otlp.spans(trace_id=trace_id, service="engine-proxy")
-        assert parent.span_id == sent_parent  # vLLM's spans would hang under engine-proxy's Generate
+        assert parent.span_id == sent_parent  # vLLM's spans would hang under engine-proxy's GenerateOnce
     finally:
         server.close()
 
@@ -173,7 +174,7 @@ def test_a_gateway_with_the_sdk_disabled_exports_and_propagates_nothing(
         client.chat.completions.create(model=ECHO, messages=HELLO,  # type: ignore[arg-type]
                                        extra_headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
         # engine-proxy still traces: its span of this call is a root of a new trace (no traceparent came).
-        roots = lambda spans: [s for s in spans if s.name == GENERATE and not s.parent_span_id]  # noqa: E731
+        roots = lambda spans: [s for s in spans if s.name == GENERATE_ONCE and not s.parent_span_id]  # noqa: E731
         before = len(roots(otlp.spans()))
         client.chat.completions.create(model=ECHO, messages=HELLO)  # type: ignore[arg-type]
         otlp.wait_for(lambda spans: len(roots(spans)) > before)
