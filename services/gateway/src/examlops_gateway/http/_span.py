@@ -1,7 +1,7 @@
 """The generation span: one CLIENT span per engine call, named `{operation} {model}`, with the
 OpenTelemetry GenAI semantic conventions' attributes and ours (services/gateway/TRACING.md).
 
-It starts around engine-proxy's Generate call, whose gRPC span (and vLLM's) are its children, and
+It starts around engine-proxy's call (GenerateOnce or Generate), whose gRPC span (and vLLM's) are its children, and
 ends when the call is settled, however the answer ended (whole, streamed to its end, cut short, the
 client gone), stamped with the time the answer ended, so its cost (the settled cost record's) and
 the engine's token counts are on it. Only the OpenTelemetry API is used: with no SDK provider
