@@ -160,9 +160,13 @@ class LoadGen:
         # connections the stub accepted per measured request: ~0 when the caller pools them
         result["backend_connections_per_request"] = (stats_after["connections"] - stats_before["connections"]) / count
         result["cpu_ms_per_request"] = {n: (after[n] - before[n]) * 1000 / count for n in pids}
-        # CPU that none of our processes used: another workload on the machine skews the numbers
+        # CPU that none of our processes used: another workload on the machine skews the numbers. Less
+        # the clock tick's resolution (one tick per CPU and per process sampled), which alone would
+        # read as a busy machine over a phase of a few milliseconds.
         ours = sum(after[n] - before[n] for n in pids)
-        result["foreign_cpu_cores"] = max(0.0, after["machine"] - before["machine"] - ours) / result["elapsed_s"]
+        slack = (len(pids) + (os.cpu_count() or 1)) / _TICK
+        foreign = after["machine"] - before["machine"] - ours - slack
+        result["foreign_cpu_cores"] = max(0.0, foreign) / result["elapsed_s"]
         return result
 
     def close(self) -> None:
