@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import propagate, trace
 from prometheus_client import Counter, Histogram
 
-from ._auth import ServerAuth, aio_bearer_interceptors
+from ._auth import ServerAuth, bearer_metadata
 from ._tracing import shutdown_tracing, tracing_enabled
 from ._wire import PARAM_KEY, REASON_KEY
 
@@ -261,16 +261,75 @@ def error_reason(exc: grpc.aio.AioRpcError) -> tuple[str, str]:
     return str(meta.get(REASON_KEY, "")), str(meta.get(PARAM_KEY, ""))
 
 
+class _WithMetadata:
+    """A multi-callable whose every call carries the channel's metadata (and, with tracing on, the
+    current trace context) ahead of the caller's own: what the bearer and trace-context
+    interceptors did, without the interceptor machinery's extra task and call objects per call."""
+
+    __slots__ = ("inner", "metadata")
+
+    def __init__(self, inner: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.inner, self.metadata = inner, metadata
+
+    def __call__(self, request: Any, *, metadata: Any = None, **kwargs: Any) -> Any:
+        sent = self.metadata
+        if tracing_enabled():
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            sent = (*sent, *carrier.items())
+        if metadata:
+            sent = (*sent, *tuple(metadata))
+        return self.inner(request, metadata=sent, **kwargs)
+
+
+class _MetadataChannel(grpc.aio.Channel):
+    """A grpc.aio channel that sends `metadata` on every call (see _WithMetadata)."""
+
+    def __init__(self, inner: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.inner, self.metadata = inner, metadata
+
+    async def __aenter__(self) -> _MetadataChannel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.inner.close(None)
+
+    async def close(self, grace: float | None = None) -> None:
+        await self.inner.close(grace)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.inner.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self.inner.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self.inner.channel_ready()
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self.inner.unary_unary(*args, **kwargs), self.metadata)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self.inner.unary_stream(*args, **kwargs), self.metadata)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self.inner.stream_unary(*args, **kwargs), self.metadata)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _WithMetadata(self.inner.stream_stream(*args, **kwargs), self.metadata)
+
+
 def insecure_channel(addr: str, token: str) -> grpc.aio.Channel:
     """One long-lived channel per peer; every call carries `token` (the caller's EXAMLOPS_SERVICE_TOKEN).
 
     The transport is plaintext (TLS, where wanted, is the mesh's or the proxy's job); the token is
-    what the peer authenticates. With tracing on, calls carry the current trace context too.
+    what the peer authenticates. With tracing on, calls carry the current trace context too. Both
+    go in each call's metadata (_MetadataChannel), not through client interceptors.
     """
-    interceptors = [*trace_context_interceptors(), *aio_bearer_interceptors(token)]
-    return grpc.aio.insecure_channel(addr, interceptors=interceptors, options=[
+    inner = grpc.aio.insecure_channel(addr, options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.enable_retries", 1),
     ])
+    return _MetadataChannel(inner, (bearer_metadata(token),))
