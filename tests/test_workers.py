@@ -170,6 +170,8 @@ def test_engine_proxy_replaces_a_dead_worker_and_sigterm_stops_them_all(two_work
     try:
         wait_grpc(f"127.0.0.1:{port}", 30, proc)
         wait_until(lambda: len(children(proc.pid)) == 2, 10, what="two workers")
+        # both serving: a worker that dies before it serves stops the service (by design)
+        wait_until(lambda: "2 workers serving" in proc.log_tail(), 30, what="both workers serving")
         [folder] = metrics_dir("engine-proxy", proc.pid)
         first = children(proc.pid)
         os.kill(min(first), signal.SIGKILL)  # a worker dies once serving: another takes its place

@@ -113,7 +113,8 @@ class _Supervisor:
                 w.serving = w.serving or w.slot.ready.is_set()
                 continue
             code = w.process.exitcode
-            if not w.serving:
+            # ready may have been set since the last look, just before the worker died
+            if not (w.serving or w.slot.ready.is_set()):
                 log.error("%s worker %d (pid %d) exited with status %s before it was serving (see its lines "
                           "above); stopping the service", self.service, w.slot.index, w.process.pid, code)
                 return 1
