@@ -44,6 +44,7 @@ from .cache import CacheBook, CacheStage, SemanticIndex, embed
 from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices
 from .guardrails import GuardrailBook, GuardStage, engine_proxy_ask
 from .http import (
+    FastLaneApp,
     StateDep,
     admin_router,
     block_auditor,
@@ -130,8 +131,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
                 with contextlib.suppress(redis.RedisError):
                     await closing.aclose()
 
-    app = FastAPI(title="ExaMLOps gateway", version="0.1.0", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, telemetry=fastapi_telemetry())  # type: ignore[arg-type]
+    app = FastLaneApp(title="ExaMLOps gateway", version="0.1.0", lifespan=lifespan,  # the hot routes: _fastlane
+                      docs_url=None, redoc_url=None, telemetry=fastapi_telemetry())
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(admin_router)

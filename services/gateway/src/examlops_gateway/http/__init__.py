@@ -8,12 +8,14 @@ from ._audit import block_auditor
 from ._denials import install_error_handlers
 from ._deps import CallerDep, StateDep, require_admin
 from ._errors import ErrorResponse, OpenAIError
+from ._fastlane import FastLaneApp
 from ._openai import router as openai_router
 from ._openapi import install_openapi
 from ._protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = [
-    "CallerDep", "ChatCompletionRequest", "CompletionRequest", "ErrorResponse", "OpenAIError", "StateDep",
+    "CallerDep", "ChatCompletionRequest", "CompletionRequest", "ErrorResponse", "FastLaneApp", "OpenAIError",
+    "StateDep",
     "admin_router", "block_auditor", "cache_admin_router", "guardrails_admin_router", "install_error_handlers",
     "install_openapi", "openai_router", "require_admin",
 ]

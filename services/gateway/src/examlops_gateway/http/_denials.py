@@ -3,6 +3,9 @@ turn every exception into the one error shape."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -57,45 +60,43 @@ def governance_unavailable(exc: GovernanceUnavailable) -> OpenAIError:
                        type="service_unavailable", code="governance_unavailable")
 
 
+def _http_error(exc: StarletteHTTPException) -> OpenAIError:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return OpenAIError(exc.status_code, str(exc.detail), code=code)
+
+
+def _unexpected(exc: Exception) -> OpenAIError:
+    return OpenAIError(500, f"internal error: {type(exc).__name__}", type="internal_error", code="internal_error")
+
+
+#: every exception a handler may raise, as the client gets it (the most specific class first is
+#: found by walking the exception's MRO, as Starlette does); Exception is the 500
+_AS_ERROR: dict[type[Exception], Callable[[Any], OpenAIError]] = {
+    OpenAIError: lambda exc: exc,
+    Denied: from_denial,
+    GovernanceUnavailable: governance_unavailable,
+    GuardrailBlocked: from_block,
+    PolicyError: lambda exc: OpenAIError(400, str(exc), code="invalid_value", param=exc.field),
+    RequestValidationError: from_validation,
+    StarletteHTTPException: _http_error,
+    Exception: _unexpected,
+}
+#: the exceptions answered as the client's error, not an internal one
+HANDLED = tuple(cls for cls in _AS_ERROR if cls is not Exception)
+
+
+def error_response(exc: Exception) -> Response:
+    """The response the client gets for `exc` (what install_error_handlers answers)."""
+    for cls in type(exc).__mro__:
+        if (convert := _AS_ERROR.get(cls)) is not None:
+            return convert(exc).response()
+    return _unexpected(exc).response()
+
+
+async def _handler(_: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    async def openai_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, OpenAIError)
-        return exc.response()
-
-    async def denied(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, Denied)
-        return from_denial(exc).response()
-
-    async def blocked(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GuardrailBlocked)
-        return from_block(exc).response()
-
-    async def bad_policy(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, PolicyError)
-        return OpenAIError(400, str(exc), code="invalid_value", param=exc.field).response()
-
-    async def unavailable(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GovernanceUnavailable)
-        return governance_unavailable(exc).response()
-
-    async def validation_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        return from_validation(exc).response()
-
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return OpenAIError(exc.status_code, str(exc.detail), code=code).response()
-
-    async def unexpected(_: Request, exc: Exception) -> Response:
-        return OpenAIError(500, f"internal error: {type(exc).__name__}", type="internal_error",
-                           code="internal_error").response()
-
-    app.add_exception_handler(OpenAIError, openai_error)
-    app.add_exception_handler(Denied, denied)
-    app.add_exception_handler(GovernanceUnavailable, unavailable)
-    app.add_exception_handler(GuardrailBlocked, blocked)
-    app.add_exception_handler(PolicyError, bad_policy)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
+    for cls in _AS_ERROR:
+        app.add_exception_handler(cls, _handler)

@@ -1,14 +1,14 @@
 """The request path of a generation, in one function: its stages in hot-path order.
 
-Each stage lives in its wing: auth (_deps.caller, resolved by FastAPI before the handler runs,
-then governance.KeyCheck: a virtual key must exist and be valid before its body is read), parse
-(_body), admit (governance: key, allow-list, rate limits, budget reservation, one Redis round trip),
-guard (guardrails.GuardStage: the input scan; its Guard watches the answer too), route, cache
-(_cache: under an endpoint's cache policy, a hit answers without the engine, a miss's whole answer
-is kept), generate (_generate), settle (governance.Ticket, called by the response when the answer
-ends, however it ends: one Redis round trip). Structured output (_structured) checks a
-response_format's schema at parse and the answers after generate, retrying an invalid whole answer
-through a new admission.
+Each stage lives in its wing: auth (_deps.caller, resolved before the handler runs, by the fast
+lane (_fastlane) or by FastAPI, then governance.KeyCheck: a virtual key must exist and be valid
+before its body is read), parse (_body), admit (governance: key, allow-list, rate limits, budget
+reservation, one Redis round trip), guard (guardrails.GuardStage: the input scan; its Guard watches
+the answer too), route, cache (_cache: under an endpoint's cache policy, a hit answers without the
+engine, a miss's whole answer is kept), generate (_generate), settle (governance.Ticket, called by
+the response when the answer ends, however it ends: one Redis round trip). Structured output
+(_structured) checks a response_format's schema at parse and the answers after generate, retrying
+an invalid whole answer through a new admission.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ._structured import generate_checked, structured_output
 
 async def serve_generation(request: Request, state: GatewayState, caller: Caller, kind: int,
                            schema: type[GenerationRequest]) -> Response:
-    # auth: `caller` is the CallerDep dependency, resolved by FastAPI before this runs
+    # auth: `caller` is _deps.caller's answer, resolved before this runs (_fastlane, or FastAPI's CallerDep)
     started = time.perf_counter()
     await state.key_check.check(caller)                                          # auth: before the body
     session_id = session_id_of(request)                                          # parse: x-session-id
