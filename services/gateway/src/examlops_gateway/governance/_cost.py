@@ -21,6 +21,7 @@ from typing import Any, cast
 import redis.asyncio as redis
 from prometheus_client import Counter
 
+from .._metrics import child
 from ._keys import ADMIN_ID, redis_keys
 from ._prices import MICRO
 
@@ -39,13 +40,13 @@ GROUPS = ("key", "project", "model", "tenant", "provider")
 
 
 def count(model: str, project: str, status: str, prompt: int, completion: int, cost_micro: int) -> None:
-    CALLS.labels(model, project, status).inc()
+    child(CALLS, model, project, status).inc()
     if prompt:
-        TOKENS.labels(model, project, "prompt").inc(prompt)
+        child(TOKENS, model, project, "prompt").inc(prompt)
     if completion:
-        TOKENS.labels(model, project, "completion").inc(completion)
+        child(TOKENS, model, project, "completion").inc(completion)
     if cost_micro:
-        COST.labels(model, project).inc(cost_micro / MICRO)
+        child(COST, model, project).inc(cost_micro / MICRO)
 
 
 async def records(r: redis.Redis, key_id: str, since_ms: int = 0, page: int = 2000) -> AsyncIterator[dict[str, str]]:

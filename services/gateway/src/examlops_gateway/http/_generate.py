@@ -25,6 +25,7 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.svc import RouteTable, unroutable_reason
 
 from .._events import events_of, frames
+from .._metrics import child
 from .._state import GatewayState
 from ..governance import Ticket
 from ..guardrails import Guard, GuardedCall, GuardrailBlocked
@@ -130,12 +131,12 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
                 first = await guard.check_answer(first)
     except grpc.aio.AioRpcError as exc:
         err = from_grpc(exc, model, admin=ticket.caller.admin)
-        REQUESTS.labels(model, str(err.status)).inc()
+        child(REQUESTS, model, str(err.status)).inc()
         span.failed(err.code, err.message)
         await span.settle(ticket, str(err.status))
         raise err from None
     except GuardrailBlocked as exc:  # the output guardrail blocked a whole answer: charge what was made
-        REQUESTS.labels(model, "400").inc()
+        child(REQUESTS, model, "400").inc()
         span.failed("guardrail_blocked", str(exc))
         await span.settle(ticket, "400", *_made(exc))
         raise
@@ -145,10 +146,10 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
         span.settle_later(ticket, CLIENT_GONE)
         raise
     finally:
-        LATENCY.labels(model).observe(time.perf_counter() - start)
+        child(LATENCY, model).observe(time.perf_counter() - start)
     ticket.first_chunk()
     if first is grpc.aio.EOF:
-        REQUESTS.labels(model, "502").inc()
+        child(REQUESTS, model, "502").inc()
         err = OpenAIError(502, f"endpoint:{model} returned nothing", type="AllBackendsFailed",
                           code="all_backends_failed")
         span.failed(err.code, err.message)
@@ -159,7 +160,7 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
     headers = _notice_headers(first)
     if guard is not None and guard.fired:
         headers = {**(headers or {}), **guard.headers()}
-    REQUESTS.labels(model, "200").inc()
+    child(REQUESTS, model, "200").inc()
     if not stream:
         return _SettledAnswer(first, ticket, headers, span)
     sse = _sse(call, first, ticket, span, state.settings.heartbeat_s, checked, tap)  # notes progress once per heartbeat
