@@ -109,7 +109,9 @@ def test_a_streamed_call_ends_its_spans_with_the_stream(traced: tuple[Stack, Otl
     spans = _call_trace(otlp, client, CHAT, GENERATE, messages=HELLO, stream=True)
     gateway, generate = _one(spans, CHAT), _one(spans, GENERATE)
     assert set(_ancestors(spans, generate)) == {"gateway"}
-    assert generate.end_ns <= gateway.end_ns
+    # The gateway's span lasts as long as the stream: engine-proxy's handler returns just after its
+    # last message, which may be a hair after the gateway wrote [DONE] (two processes' clocks).
+    assert generate.start_ns < gateway.end_ns and generate.end_ns <= gateway.end_ns + 5_000_000
 
 
 def test_a_media_call_adds_mediaguards_span_to_the_trace(traced: tuple[Stack, OtlpReceiver, openai.OpenAI]) -> None:
