@@ -3,7 +3,7 @@
 Each caller (a service, or an operator using `exa`) has a name and a secret token. A server accepts
 the `name=token` pairs of EXAMLOPS_INTERNAL_TOKENS (or of the file EXAMLOPS_INTERNAL_TOKENS_FILE);
 a client sends its own token (EXAMLOPS_SERVICE_TOKEN for a service, EXAMLOPS_OPERATOR_TOKEN for
-`exa`) as `authorization: Bearer <token>` metadata on every call. The server's interceptor compares
+`exa`) as `authorization: Bearer <token>` metadata on every call. The server (ServerAuth.check) compares
 in constant time, refuses a missing or unknown token with UNAUTHENTICATED, a caller its access rules
 do not name with PERMISSION_DENIED, and hands the caller's name to the handler (`current_caller()`),
 so what is audited is who holds the credential, never what a request claims.
@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextvars
 import hmac
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 
@@ -126,7 +126,7 @@ _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("examlop
 
 
 def current_caller() -> Caller:
-    """The authenticated caller of the call being handled (set by the server's interceptor)."""
+    """The authenticated caller of the call being handled (set by ServerAuth.check)."""
     caller = _CALLER.get()
     if caller is None:
         raise RuntimeError("no authenticated caller: the handler runs outside an authenticated gRPC call")
@@ -171,8 +171,27 @@ class ServerAuth:
                 found = name
         return Caller(found) if found is not None else None
 
-    def interceptor(self) -> grpc.aio.ServerInterceptor:
-        return _AuthInterceptor(self)
+    def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> Refusal | None:
+        """Admit a call of `method` (/package.Service/Rpc) carrying `metadata`, or say why not.
+
+        An admitted caller is current_caller() for the rest of the call: each call is handled in a
+        task of its own, so the caller is visible to that call's handler only.
+        """
+        token = _bearer(metadata)
+        if not token:
+            return Refusal(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                           f"{self.service}: the call carries no bearer token; {_FIX}")
+        caller = self.identify(token)
+        if caller is None:
+            return Refusal(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                           f"{self.service}: the bearer token is not one this server accepts; {_FIX}")
+        rpc = method.rsplit("/", 1)[-1]
+        if not self.access.allows(caller, rpc):
+            allowed = ", ".join(self.access.callers_of(rpc)) or "nobody"
+            return Refusal(grpc.StatusCode.PERMISSION_DENIED, "caller_not_allowed",
+                           f"{self.service}: caller {caller.name!r} may not call {rpc} (allowed: {allowed})")
+        _CALLER.set(caller)
+        return None
 
 
 def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
@@ -184,56 +203,23 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     return ""
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, reason: str,
-             message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call with `code`."""
-
-    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        context.set_trailing_metadata(((REASON_KEY, reason), (PARAM_KEY, "authorization")))
-        await context.abort(code, message)
-
-    if handler.request_streaming and handler.response_streaming:
-        factory: Callable[..., grpc.RpcMethodHandler] = grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        factory = grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        factory = grpc.unary_stream_rpc_method_handler
-    else:
-        factory = grpc.unary_unary_rpc_method_handler
-    return factory(refuse, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)
+def open_method(method: str) -> bool:
+    """Whether `method` (/package.Service/Rpc) is served without a token (probes, reflection)."""
+    return method.startswith(OPEN_METHOD_PREFIXES)
 
 
-class _AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, auth: ServerAuth) -> None:
-        self.auth = auth
+class Refusal(NamedTuple):
+    """Why a call is refused: its status code, machine-readable reason and message."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        method: str = details.method
-        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
-            return handler
-        token = _bearer(details.invocation_metadata)
-        service = self.auth.service
-        if not token:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
-                            f"{service}: the call carries no bearer token; {_FIX}")
-        caller = self.auth.identify(token)
-        if caller is None:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
-                            f"{service}: the bearer token is not one this server accepts; {_FIX}")
-        rpc = method.rsplit("/", 1)[-1]
-        if not self.auth.access.allows(caller, rpc):
-            allowed = ", ".join(self.auth.access.callers_of(rpc)) or "nobody"
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "caller_not_allowed",
-                            f"{service}: caller {caller.name!r} may not call {rpc} (allowed: {allowed})")
-        # Each call is handled in its own task: the caller is visible to this call's handler only.
-        _CALLER.set(caller)
-        return handler
+    code: grpc.StatusCode
+    reason: str
+    message: str
+
+    async def send(self, context: grpc.aio.ServicerContext) -> NoReturn:
+        """End the call with this refusal (raises, as context.abort does)."""
+        context.set_trailing_metadata(((REASON_KEY, self.reason), (PARAM_KEY, "authorization")))
+        await context.abort(self.code, self.message)
+        raise AssertionError("unreachable")  # context.abort raises
 
 
 # --- client side -------------------------------------------------------------------------------

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 import signal
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NoReturn
 
@@ -15,118 +12,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import propagate, trace
-from prometheus_client import Counter, Histogram
 
 from ._auth import ServerAuth, bearer_metadata
+from ._guard import Guard, GuardedServer
 from ._tracing import shutdown_tracing, tracing_enabled
 from ._wire import PARAM_KEY, REASON_KEY
 
 log = logging.getLogger(__name__)
-
-
-RPC_SECONDS = Histogram(
-    "examlops_grpc_server_handling_seconds", "Time to handle a gRPC call (until the handler returns).",
-    ["method"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
-)
-RPC_TOTAL = Counter("examlops_grpc_server_handled_total", "gRPC calls handled.", ["method", "code"])
-
-
-class _MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times unary calls; streaming calls are counted when their handler starts."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        method = details.method
-        if handler is None or handler.unary_unary is None:
-            RPC_TOTAL.labels(method, "STARTED").inc()
-            return handler
-        inner = handler.unary_unary
-
-        async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start = time.perf_counter()
-            code = "OK"
-            try:
-                return await inner(request, context)
-            except Exception:
-                code = "ERROR"
-                raise
-            finally:
-                RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
-                RPC_TOTAL.labels(method, code).inc()
-
-        return grpc.unary_unary_rpc_method_handler(
-            timed, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
-#: Calls that get no span: probes and reflection would bury the traces of real work.
-UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
-
-
-class _TracingInterceptor(grpc.aio.ServerInterceptor):
-    """A SERVER span per call, child of the caller's `traceparent` in the metadata and current while
-    the handler runs (so the servicer's spans and outgoing calls join the trace). Installed only
-    when tracing is on."""
-
-    def __init__(self) -> None:
-        self.tracer = trace.get_tracer("examlops.svc.grpc")
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(UNTRACED_PREFIXES):
-            return handler
-        parent = propagate.extract(dict(details.invocation_metadata or ()))
-        name = details.method.lstrip("/")
-        service, _, method = name.rpartition("/")
-        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
-
-        def span() -> Any:
-            return self.tracer.start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER,
-                                                     attributes=attributes)
-
-        def ended(s: trace.Span, context: grpc.aio.ServicerContext) -> None:
-            code = context.code()
-            if code is not None:
-                s.set_attribute("rpc.grpc.status_code", code.value[0] if isinstance(code, grpc.StatusCode) else code)
-
-        async def unary(inner: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            with span() as s:
-                try:
-                    return await inner(request, context)
-                finally:
-                    ended(s, context)
-
-        async def streaming(inner: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            with span() as s:
-                try:
-                    result = inner(request, context)
-                    if inspect.isasyncgen(result):
-                        async for item in result:
-                            yield item
-                    else:  # a handler that writes with context.write()
-                        await result
-                finally:
-                    ended(s, context)
-
-        kw = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-        for shape, make, wrap in (("unary_unary", grpc.unary_unary_rpc_method_handler, unary),
-                                  ("stream_unary", grpc.stream_unary_rpc_method_handler, unary),
-                                  ("unary_stream", grpc.unary_stream_rpc_method_handler, streaming),
-                                  ("stream_stream", grpc.stream_stream_rpc_method_handler, streaming)):
-            inner = getattr(handler, shape)
-            if inner is not None:
-                return make(functools.partial(wrap, inner), **kw)
-        return handler
 
 
 def _traced(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
@@ -187,14 +79,13 @@ def build_grpc_server(
     reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A grpc.aio server with health, reflection, metrics, caller authentication (`auth`) and, when
-    tracing is on, a SERVER span per call.
+    tracing is on, a SERVER span per call (svc._guard: each handler `register` adds is wrapped once).
 
     Returns it with its bound port; port=0 binds a free port (tests use that). Refused calls are
-    counted too: the metrics interceptor runs outside the authentication one. `reuse_port` lets
-    several worker processes listen on one port (SO_REUSEPORT; run_workers checks the port first).
+    counted too. `reuse_port` lets several worker processes listen on one port (SO_REUSEPORT;
+    run_workers checks the port first).
     """
-    tracing: list[grpc.aio.ServerInterceptor] = [_TracingInterceptor()] if tracing_enabled() else []
-    server = grpc.aio.server(interceptors=[*tracing, _MetricsInterceptor(), auth.interceptor()], options=[
+    real = grpc.aio.server(options=[
         ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -203,15 +94,18 @@ def build_grpc_server(
         ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
         ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
     ])
+    tracer = trace.get_tracer("examlops.svc.grpc") if tracing_enabled() else None
+    server = GuardedServer(real, Guard(auth, tracer))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    server.count_unknown_methods()
+    bound = real.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"cannot listen on {host}:{port}")
-    return server, bound, health_servicer
+    return real, bound, health_servicer
 
 
 async def serve_until_signal(
