@@ -13,7 +13,7 @@ Per call, outermost first:
 - authentication (ServerAuth.check; health and reflection are open): a refused call ends with its
   code and reason before the handler runs; an admitted caller is current_caller() in the handler.
 
-A method no handler serves is counted STARTED, then grpc answers UNIMPLEMENTED.
+A method no handler serves is counted STARTED as method `unknown`, then grpc answers UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ RPC_SECONDS = Histogram(
     ["method"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
 )
 RPC_TOTAL = Counter("examlops_grpc_server_handled_total", "gRPC calls handled.", ["method", "code"])
+UNKNOWN_METHODS = RPC_TOTAL.labels("unknown", "STARTED")
 
 #: Calls that get no span: probes and reflection would bury the traces of real work.
 UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -184,10 +185,12 @@ class _GuardedGeneric(grpc.GenericRpcHandler):
 
 
 class _CountUnknown(grpc.GenericRpcHandler):
-    """Last in line: a method nothing serves is counted STARTED (grpc then answers UNIMPLEMENTED)."""
+    """Last in line: a method nothing serves is counted STARTED under one label, `unknown` (the name
+    is the caller's to choose: one series each would let any caller grow /metrics without bound);
+    grpc then answers UNIMPLEMENTED."""
 
     def service(self, details: grpc.HandlerCallDetails) -> None:
-        RPC_TOTAL.labels(details.method, "STARTED").inc()
+        UNKNOWN_METHODS.inc()
         return None
 
 
