@@ -46,6 +46,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_gateway as bg  # noqa: E402
 import grpc  # noqa: E402
+from _rounds import Profile  # noqa: E402
 from loadgen import emit, serve, summarize  # noqa: E402
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb  # noqa: E402
@@ -67,14 +68,6 @@ ROUTES = {"one replica": ("route-one", "least-load", 1),
           "control": ("route-one-b", "least-load", 1),
           "least-load": ("route-ll", "least-load", 2),
           "prefix": ("route-px", "prefix", 2)}
-
-
-@dataclass(frozen=True)
-class Profile:
-    rounds: int
-    requests: int
-    warmup: int
-    max_seconds: float
 
 
 PROFILES = {"full": Profile(rounds=5, requests=4000, warmup=400, max_seconds=15),

@@ -28,20 +28,13 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import bench_gateway as bg  # noqa: E402
+from _rounds import Profile  # noqa: E402
 from bench_governance import governed_key  # noqa: E402
 
 from examlops_devstack import free_port, service_argv, spawn, wait_grpc  # noqa: E402
 
 CONCURRENCY = 32
 CLASSES = ("gateway", "engine-proxy", "stub", "client", "redis")
-
-
-@dataclass(frozen=True)
-class Profile:
-    rounds: int
-    requests: int
-    warmup: int
-    max_seconds: float
 
 
 PROFILES = {"full": Profile(rounds=4, requests=6000, warmup=600, max_seconds=15),
