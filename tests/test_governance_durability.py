@@ -12,8 +12,10 @@ is the sum of its cost records and within its budget, every settle the gateway a
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from collections import Counter
@@ -256,3 +258,17 @@ def test_a_settle_the_restarted_store_lost_is_sent_again_and_charged_once(world:
     f = w.key(key_id)
     assert record["completion_tokens"] == "20" and record["late"] == "0"
     assert f["reserved"] == "0" and int(f["spent"]) == int(record["cost_micro_usd"]) > 0
+
+
+def test_a_bad_gateway_redis_url_stops_the_gateway_naming_that_setting(world: World) -> None:
+    """The gateway's own Redis URL is its own setting: its errors name EXAMLOPS_GATEWAY_REDIS_URL
+    (not the registry's EXAMLOPS_REDIS_URL), and never print the password."""
+    base = {**os.environ, **world.stack.env("gateway"), "EXAMLOPS_PORT": "0"}
+    for url, says in (("redis://:hunter2-secret@127.0.0.1:notaport/0", "EXAMLOPS_GATEWAY_REDIS_URL: "),
+                      (f"redis://:hunter2-secret@127.0.0.1:{free_port()}/0", "EXAMLOPS_GATEWAY_REDIS_URL=")):
+        env = {**base, "EXAMLOPS_GATEWAY_REDIS_URL": url}
+        out = subprocess.run([sys.executable, "-m", "examlops_gateway"], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode != 0
+        assert says in out.stderr and "EXAMLOPS_REDIS_URL" not in out.stderr, out.stderr[-2000:]
+        assert "hunter2-secret" not in out.stderr + out.stdout

@@ -66,7 +66,7 @@ def gateway_redis(settings: GatewaySettings) -> redis.Redis:
     """
     return redis_client(settings.store_url, max_connections=settings.redis_max_connections, wait_s=10,
                         health_check_interval=30, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=3),
-                        retry_on=(redis.ConnectionError,))
+                        retry_on=(redis.ConnectionError,), var=settings.store_var)
 
 
 def build_app(settings: GatewaySettings) -> FastAPI:
@@ -78,7 +78,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             log.error("%s", exc)
             raise SystemExit(str(exc)) from None
         try:
-            await ping_redis(client, settings.store_url)
+            await ping_redis(client, settings.store_url, settings.store_var)
         except RedisUnavailable as exc:
             log.error("%s", exc)
             await client.aclose()

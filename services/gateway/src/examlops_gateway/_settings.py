@@ -108,6 +108,11 @@ class GatewaySettings(ServiceSettings):
         """The Redis the gateway keeps its state in: EXAMLOPS_GATEWAY_REDIS_URL, else EXAMLOPS_REDIS_URL."""
         return self.gateway_redis_url or self.redis_url
 
+    @property
+    def store_var(self) -> str:
+        """The setting store_url came from, which its errors name."""
+        return "EXAMLOPS_GATEWAY_REDIS_URL" if self.gateway_redis_url else "EXAMLOPS_REDIS_URL"
+
     @field_validator("llm_cost_provider")
     @classmethod
     def _cost_provider_resolves(cls, value: str) -> str:

@@ -38,21 +38,21 @@ UNBOUNDED = 2**31
 
 
 class RedisUrlError(ValueError):
-    """EXAMLOPS_REDIS_URL cannot be used (the message names the variable and the accepted forms)."""
+    """A Redis URL setting cannot be used (the message names the variable and the accepted forms)."""
 
 
 class RedisUnavailable(RuntimeError):
     """Redis (or the cluster) does not answer, or is not what the URL says (message without password)."""
 
 
-def _url_error(url: str, problem: str) -> RedisUrlError:
+def _url_error(url: str, problem: str, var: str = REDIS_URL_VAR) -> RedisUrlError:
     return RedisUrlError(
-        f"{REDIS_URL_VAR}: {problem} (got {redact(url)!r}); use redis://host:port/db, rediss://..., "
+        f"{var}: {problem} (got {redact(url)!r}); use redis://host:port/db, rediss://..., "
         "unix:///path.sock, or redis+cluster://[user:password@]host:port[,host:port...] "
         "(rediss+cluster:// with TLS)")
 
 
-def _cluster_seeds(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+def _cluster_seeds(url: str, var: str = REDIS_URL_VAR) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """(seed nodes, connection options) of a redis+cluster:// URL; RedisUrlError when malformed."""
     parts = urlsplit(url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
@@ -62,9 +62,9 @@ def _cluster_seeds(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
         try:
             port = one.port or 6379
         except ValueError:
-            raise _url_error(url, f"the seed {host!r} has no valid port") from None
+            raise _url_error(url, f"the seed {host!r} has no valid port", var) from None
         if not one.hostname:
-            raise _url_error(url, f"a seed node is empty ({hosts!r})")
+            raise _url_error(url, f"a seed node is empty ({hosts!r})", var)
         seeds.append((one.hostname, port))
     base = CLUSTER_SCHEMES[parts.scheme]
     host, port = seeds[0]
@@ -73,9 +73,9 @@ def _cluster_seeds(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     try:
         options: dict[str, Any] = dict(parse_url(f"{base}://{netloc}{parts.path}?{parts.query}"))
     except ValueError as exc:
-        raise _url_error(url, str(exc)) from None
+        raise _url_error(url, str(exc), var) from None
     if options.pop("db", 0):
-        raise _url_error(url, "a Redis Cluster has only database 0")
+        raise _url_error(url, "a Redis Cluster has only database 0", var)
     options.pop("host", None)
     options.pop("port", None)
     if options.pop("connection_class", None) is SSLConnection:
@@ -83,19 +83,19 @@ def _cluster_seeds(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return seeds, options
 
 
-def check_redis_url(url: str) -> str:
+def check_redis_url(url: str, var: str = REDIS_URL_VAR) -> str:
     """`url` if it is a Redis or Redis Cluster URL these services accept, else RedisUrlError (a settings
     validator: `load_settings` then names EXAMLOPS_REDIS_URL and exits 2)."""
     scheme = urlsplit(url).scheme
     if scheme in CLUSTER_SCHEMES:
-        _cluster_seeds(url)
+        _cluster_seeds(url, var)
     elif scheme in SINGLE_SCHEMES:
         try:
             parse_url(url)
         except ValueError as exc:
-            raise _url_error(url, str(exc)) from None
+            raise _url_error(url, str(exc), var) from None
     else:
-        raise _url_error(url, f"unknown scheme {scheme + '://' if scheme else '(none)'}")
+        raise _url_error(url, f"unknown scheme {scheme + '://' if scheme else '(none)'}", var)
     return url
 
 
@@ -141,14 +141,16 @@ class _WaitingCluster(_Cluster):
 def redis_client(url: str, *, max_connections: int | None = None, wait_s: float = 10.0,
                  retry: Retry | None = None, retry_on: tuple[type[Exception], ...] = (),
                  socket_timeout: float | None = None, connect_timeout: float | None = None,
-                 health_check_interval: float = 0, decode_responses: bool = True) -> aioredis.Redis:
+                 health_check_interval: float = 0, decode_responses: bool = True,
+                 var: str = REDIS_URL_VAR) -> aioredis.Redis:
     """The client of `url` (see the module doc): a redis.asyncio.Redis, or a RedisCluster for
     redis+cluster:// URLs, which speaks the same commands; typed as Redis so the stores take either.
 
     `max_connections`: None opens connections as needed; a number bounds them and makes calls wait
     up to `wait_s` for a free one. `socket_timeout` None lets blocking reads (XREAD BLOCK) wait.
+    `var`: the setting the URL came from, which errors name.
     """
-    check_redis_url(url)
+    check_redis_url(url, var)
     common: dict[str, Any] = {
         "decode_responses": decode_responses, "health_check_interval": health_check_interval,
         "socket_timeout": socket_timeout, "socket_connect_timeout": connect_timeout}
@@ -160,7 +162,7 @@ def redis_client(url: str, *, max_connections: int | None = None, wait_s: float 
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s,
                                                         **common)
         return aioredis.Redis.from_pool(pool)
-    seeds, options = _cluster_seeds(url)
+    seeds, options = _cluster_seeds(url, var)
     kwargs: dict[str, Any] = {
         **common, **options, "startup_nodes": [ClusterNode(h, p) for h, p in seeds],
         # every node and slot the cluster reports replaces the seeds (a seed may leave the cluster)
@@ -174,7 +176,7 @@ def redis_client(url: str, *, max_connections: int | None = None, wait_s: float 
         else:
             cluster = _WaitingCluster(limit=max_connections, wait_s=wait_s, **kwargs)
     except (TypeError, RedisClusterException) as exc:
-        raise _url_error(url, str(exc)) from None
+        raise _url_error(url, str(exc), var) from None
     # RedisCluster is no Redis subclass but answers every command the services send (see the module doc)
     return cast(aioredis.Redis, cluster)
 
@@ -184,7 +186,7 @@ def redis_primaries(client: aioredis.Redis) -> list[Any]:
     return list(client.get_primaries()) if isinstance(client, RedisCluster) else []
 
 
-async def ping_redis(client: aioredis.Redis, url: str) -> None:
+async def ping_redis(client: aioredis.Redis, url: str, var: str = REDIS_URL_VAR) -> None:
     """Start-up check: Redis answers, and the URL's form matches the server's (a cluster node behind
     redis:// would answer every key elsewhere with MOVED). RedisUnavailable, naming the variable."""
     try:
@@ -195,10 +197,10 @@ async def ping_redis(client: aioredis.Redis, url: str) -> None:
         await client.ping()
         info = await client.info("cluster")
     except (RedisError, RedisClusterException, OSError) as exc:
-        raise RedisUnavailable(redact(f"cannot reach Redis at {REDIS_URL_VAR}={url}: {exc}")) from None
+        raise RedisUnavailable(redact(f"cannot reach Redis at {var}={url}: {exc}")) from None
     if int(info.get("cluster_enabled", 0)):
         raise RedisUnavailable(redact(
-            f"{REDIS_URL_VAR}={url} is a node of a Redis Cluster: use redis+cluster://host:port[,host:port...]"))
+            f"{var}={url} is a node of a Redis Cluster: use redis+cluster://host:port[,host:port...]"))
 
 
 async def ping_all(client: aioredis.Redis) -> bool:
