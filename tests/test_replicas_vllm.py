@@ -162,7 +162,6 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
         stack: Stack, client: openai.OpenAI, pair: list[Replica]) -> None:
     name = "pool-failover"
     register_pool(stack, client, name, pair, "least-load")
-    victim = pair[1]
     outcomes: list[str] = []
     streams: list[str] = []
     lock = threading.Lock()
@@ -203,6 +202,11 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
         start.wait()
         for _ in range(6):  # every stream has sent a token: the killed server's streams are cut mid-way
             assert streaming.acquire(timeout=120), "a stream sent no token in 120 s"
+        # The server with the most requests in flight dies (least-load balances by live metrics, which
+        # a loaded machine may scrape late: the split is not known in advance).
+        load = replica_stats(stack, name)
+        victim_id = max(sorted(load), key=lambda r: load[r].in_flight)
+        victim = pair[int(victim_id.removeprefix("r"))]
         assert victim.proc is not None
         victim.proc.stop(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -216,14 +220,15 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
     assert cut, f"no stream was on the killed server when it died: {streams}"
 
     stats = replica_stats(stack, name)
-    dead = stats["r1"]
+    dead, other = stats[victim_id], stats["r1" if victim_id == "r0" else "r0"]
     assert not dead.healthy and dead.ejections >= 1, dead
     seen = dead.requests
     for i in range(10):
         client.chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": f"hi {i}"}])
-    assert replica_stats(stack, name)["r1"].requests == seen, "the dead replica was sent a request after ejection"
-    print(f"ejected; r0 {stats['r0'].requests} requests ({stats['r0'].retries} retries), "
-          f"r1 {seen} requests, {dead.errors} errors, {dead.ejections} ejections; "
+    assert replica_stats(stack, name)[victim_id].requests == seen, "the dead replica was sent a request after ejection"
+    print(f"ejected {victim_id} ({load[victim_id].in_flight} of {sum(r.in_flight for r in load.values())} in flight); "
+          f"the other {other.requests} requests ({other.retries} retries), "
+          f"{victim_id} {seen} requests, {dead.errors} errors, {dead.ejections} ejections; "
           f"{time.monotonic() - killed_at:.1f} s since the kill")
 
     victim.start()
@@ -231,7 +236,7 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
 
     def back() -> bool:
         client.chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-        return replica_stats(stack, name)["r1"].requests > seen
+        return replica_stats(stack, name)[victim_id].requests > seen
 
     took = wait_until(back, 10, 0.2, "the restarted replica receives traffic again")
     print(f"restarted replica took traffic {time.monotonic() - healthy_at:.1f} s after it was healthy ({took:.1f} s)")
