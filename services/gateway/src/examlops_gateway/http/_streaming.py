@@ -3,8 +3,9 @@
 Starlette's StreamingResponse (on uvicorn's ASGI 2.3) runs every stream in an anyio task group
 with a second task listening for the client's disconnect. This one streams in the request's own
 task and has one plain asyncio task wait for `http.disconnect`: a client that leaves mid-stream
-cancels the stream (its generator's `finally` settles what was sent), as before. The generator's
-last item, DONE, goes in the same write as the end of the body.
+cancels the stream, and the generator is closed before the response returns (its `finally` settles
+what was sent), whether the cancel landed in the generator or in a write the client's flow control
+held back. The generator's last item, DONE, goes in the same write as the end of the body.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class LeanStream(StreamingResponse):
             stream.uncancel()  # our own cancel, for the client that left: the request ends normally
         finally:
             watcher.cancel()
+            if (close := getattr(self.body_iterator, "aclose", None)) is not None:
+                await close()  # a generator left at a yield (a write was cancelled) ends now
 
     async def _watch(self, receive: Receive, stream: asyncio.Task[object]) -> None:
         while (await receive())["type"] != "http.disconnect":
