@@ -122,3 +122,13 @@ def test_framing_other_than_vllm_s_is_read_line_by_line() -> None:
     assert events.feed(b": keep-alive\r\n\r\nevent: message\r\ndata:" + payload + b"\r\n\r\n") == frames([payload])
     assert events.feed(b"data: " + payload) == b""  # no blank line yet: it may go on
     assert events.finish() == frames([payload])  # the body ended: it counts
+
+
+def test_a_chunk_with_null_usage_last_in_a_read_keeps_the_usage_before_it() -> None:
+    # the usage of a read is that of its last chunk with usage, whether the client asked for the
+    # running usage (kept in the bytes) or not (cut out)
+    null = vllm_chunk("b", 0, usage=False)[:-1] + b',"usage":null}'
+    for stats in (False, True):
+        events = reader(stats=stats)
+        events.feed(frames([vllm_chunk("a", 4), null]))
+        assert events.usage is not None and events.usage.completion_tokens == 4, stats

@@ -194,7 +194,8 @@ class EventReader:
         if at < 0:
             return self._parsed(payload) if b'"usage"' in payload else payload
         if not self.strip:
-            self.last = payload  # its usage is read only if it is the read's last
+            if payload[at + _TAIL:at + _TAIL + 4] != b"null":  # "usage":null leaves the usage before it
+                self.last = payload  # its usage is read only if it is the read's last
             return payload
         usage = usage_tail(payload, at)
         if usage is _BAD:
