@@ -163,7 +163,7 @@ def test_up_is_idempotent_and_down_stops_exactly_what_up_started(tree: Tree) -> 
         assert "vllm: stopped 2 leftover process(es) of a previous run" in first.stderr
         assert _group(tree.proc.pid) == [tree.stranger]
         assert "answered through the gateway" in first.stderr and "echo: What is the capital" in first.stderr
-        assert "OpenAI(base_url=" in first.stdout
+        assert "OpenAI(base_url=" in first.stdout and f"Logs: {run / 'logs'}/ " in first.stdout
         # exa, from the checkout and with no variable set, finds this stack on its shifted ports.
         assert _exa_dev_env(run.parent).items() >= _addresses(StackPorts.with_offset(offset)).items()
         listed = subprocess.run([str(Path(sys.executable).parent / "exa"), "--json", "serve", "llm", "list"],

@@ -161,7 +161,7 @@ def up(run: RunDir, ports: StackPorts, engine: str, vllm_venv: Path | None, mode
         f"{answer!r}")
     dimensions, took = _first_embedding(ports)
     say(f"{EMBEDDING_ROUTE} embedded through the gateway in {took:.2f} s: {dimensions} dimensions")
-    _usage(ports, model, prometheus)
+    _usage(ports, model, prometheus, run.logs)
 
 
 #: The embedding route `make up` serves, and the route `exa rag query` generates on by default.
@@ -229,7 +229,7 @@ def _first_embedding(ports: StackPorts) -> tuple[int, float]:
     return len(answer["data"][0]["embedding"]), took  # type: ignore[index]
 
 
-def _usage(ports: StackPorts, model: str, prometheus: str | None) -> None:
+def _usage(ports: StackPorts, model: str, prometheus: str | None, logs: Path) -> None:
     url, key = ports.gateway_url, DEFAULT_ADMIN_KEY
     exa = Path(sys.executable).parent / "exa"
     on_path = shutil.which("exa")
@@ -258,7 +258,7 @@ def _usage(ports: StackPorts, model: str, prometheus: str | None) -> None:
   {exa} gateway chat {model} --message "Hello"
 
 {_prometheus_line(prometheus)}
-Logs: {Path('.run/logs').resolve()}/   status: make status   stop: make down
+Logs: {logs}/   status: make status   stop: make down
 """)
 
 
