@@ -48,7 +48,7 @@ vllm-env: ## Build (once, cached) the CPU vLLM environment and the SmolLM2 and M
 quant-env: ## Build (once, cached) the quantizer environment (llm-compressor, kept apart from vLLM's)
 	@bash scripts/quant-env.sh >/dev/null
 
-up: venv system-deps ## Start Redis, the five services and real CPU vLLMs serving SmolLM2 and MiniLM (ENGINE=echo: no vLLM)
+up: venv system-deps ## Start two Redis, the five services and real CPU vLLMs serving SmolLM2 and MiniLM (ENGINE=echo: no vLLM)
 	@bash scripts/link-exa.sh $(CURDIR)/$(VENV)/bin/exa
 ifeq ($(ENGINE),echo)
 	@$(PY) -m examlops_devstack up --engine echo
