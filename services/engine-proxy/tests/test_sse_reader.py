@@ -132,3 +132,11 @@ def test_a_chunk_with_null_usage_last_in_a_read_keeps_the_usage_before_it() -> N
         events = reader(stats=stats)
         events.feed(frames([vllm_chunk("a", 4), null]))
         assert events.usage is not None and events.usage.completion_tokens == 4, stats
+
+
+@pytest.mark.parametrize("n", ["2", 2.0])
+def test_an_n_the_engine_coerces_is_read_as_several_choices(n: Any) -> None:
+    # vLLM's request model takes "2" and 2.0 for n=2 (lax validation): the choices' usage still adds up
+    events = reader(n=n)
+    events.feed(frames([vllm_chunk("a", 1, index=0), vllm_chunk("b", 1, index=1), vllm_chunk("c", 2, index=0)]))
+    assert events.usage is not None and events.usage.completion_tokens == 3

@@ -106,9 +106,10 @@ def _usage_of(payload: bytes) -> Any:
 
 
 def _many_choices(gen: Generation) -> bool:
-    """Several choices stream at once: n > 1, or a list of prompts on /v1/completions."""
+    """Several choices stream at once: n > 1, or a list of prompts on /v1/completions. An n other
+    than absent or 1 counts as several: the engine may take "2" or 2.0 for 2."""
     n, prompt = gen.body.get("n"), gen.body.get("prompt")
-    return (isinstance(n, int) and n > 1) or (
+    return n not in (None, 1) or (
         isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int))
 
 
