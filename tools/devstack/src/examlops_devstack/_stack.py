@@ -58,8 +58,12 @@ class StackPorts:
         return f"redis://127.0.0.1:{self.redis}/0"
 
     @property
+    def gateway_redis_port(self) -> int:
+        return self.redis if self.gateway_redis is None else self.gateway_redis
+
+    @property
     def gateway_redis_url(self) -> str:
-        return self.redis_url if self.gateway_redis is None else f"redis://127.0.0.1:{self.gateway_redis}/0"
+        return f"redis://127.0.0.1:{self.gateway_redis_port}/0"
 
     @property
     def gateway_url(self) -> str:

@@ -61,7 +61,7 @@ def _model_port(part: str, ports: StackPorts) -> int:
 
 
 def _redis_port(part: str, ports: StackPorts) -> int:
-    return ports.gateway_redis if part == "gateway-redis" and ports.gateway_redis is not None else ports.redis
+    return ports.gateway_redis_port if part == "gateway-redis" else ports.redis
 
 
 def start_redis(run: RunDir, ports: StackPorts, part: str = "redis") -> Proc:

@@ -180,7 +180,7 @@ def wait_until(check: object, timeout_s: float = 5.0, interval_s: float = 0.02, 
 
 def ports_free(ports: StackPorts) -> bool:
     """No listener on any port of a stack's set (before `make up` is run on shifted ports)."""
-    for port in [ports.redis, ports.gateway_redis or ports.redis, ports.vllm, ports.minilm, ports.prometheus,
+    for port in [ports.redis, ports.gateway_redis_port, ports.vllm, ports.minilm, ports.prometheus,
                  *ports.services.values(), *ports.metrics.values()]:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
