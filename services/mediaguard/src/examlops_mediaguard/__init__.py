@@ -1,5 +1,7 @@
 """Mediaguard service: validates media parts before any engine call; never fetches media."""
 
+import examlops.grpcenv  # noqa: F401  (first: gRPC core reads its settings when grpc is imported)
+
 from ._validate import (
     REJECTION_CODES,
     MediaRejected,
