@@ -209,3 +209,19 @@ def test_gateway_sigterm_stops_every_worker_and_removes_the_metrics(two_workers:
     assert proc.popen.wait(timeout=30) == 0
     wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 10, what="no orphan worker")
     assert not folder.exists()
+
+
+def test_gateway_workers_stop_when_their_parent_is_killed(two_workers: Stack) -> None:
+    proc, url = two_workers.start_gateway_replica("gateway-orphans", WORKERS)
+    chat(url, 0)
+    wait_until(lambda: proc.log_tail().count("Application startup complete") == 2, 30, what="both workers up")
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(proc.pid, signal.SIGKILL)  # no SIGTERM to pass on: each worker must notice on its own
+    proc.popen.wait(timeout=10)
+    try:
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 30, what="no orphan worker")
+    finally:
+        for pid in workers:
+            if Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,11 +22,13 @@ from starlette.responses import Response
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import (
+    PARENT_PID_VAR,
     RedisUnavailable,
     RedisUrlError,
     RouteTable,
     configure_logging,
     fastapi_telemetry,
+    follow_parent,
     insecure_channel,
     load_settings,
     metrics_registry,
@@ -115,6 +118,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
                  asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
                  asyncio.create_task(reaper.run()), asyncio.create_task(guardrails.follow()),
                  asyncio.create_task(cache_book.follow())]
+        if parent := os.environ.get(PARENT_PID_VAR):  # a worker of main()'s: stop once that parent is gone
+            tasks.append(asyncio.create_task(follow_parent(int(parent), "gateway worker")))
         try:
             yield
         finally:
@@ -167,6 +172,8 @@ def main() -> None:
     configure_logging(settings.log_level, "gateway")
     log.info("gateway: %d worker process%s on %s:%d", settings.workers, "es" if settings.workers > 1 else "",
              settings.host, settings.port)
+    if settings.workers > 1:  # uvicorn's workers keep serving when it is killed: each follows it itself
+        os.environ[PARENT_PID_VAR] = str(os.getpid())
     with multiprocess_metrics("gateway", settings.workers):
         uvicorn.run("examlops_gateway._app:create_app", factory=True, host=settings.host, port=settings.port,
                     workers=settings.workers, loop="uvloop", http="httptools", access_log=False,

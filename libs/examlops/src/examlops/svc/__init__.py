@@ -72,7 +72,7 @@ from ._tracing import (
     with_trace_context,
 )
 from ._wire import PARAM_KEY, REASON_KEY
-from ._workers import WorkerSlot, run_workers
+from ._workers import PARENT_PID_VAR, WorkerSlot, follow_parent, run_workers
 
 __all__ = [
     "ADDRESSLESS_ENGINES",
@@ -83,6 +83,7 @@ __all__ = [
     "OPERATOR_PREFIX",
     "OPERATOR_TOKEN_VAR",
     "PARAM_KEY",
+    "PARENT_PID_VAR",
     "REASON_KEY",
     "REDIS_URL_VAR",
     "SERVICE_TOKEN_VAR",
@@ -109,6 +110,7 @@ __all__ = [
     "current_caller",
     "error_reason",
     "fastapi_telemetry",
+    "follow_parent",
     "insecure_channel",
     "is_cluster_url",
     "load_accepted_tokens",

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
 PARENT_CHECK_S = 1.0
+#: The pid a parent whose workers another supervisor starts (uvicorn's, for the gateway) leaves its
+#: workers in the environment, for follow_parent: a worker started after that parent died sees it gone.
+PARENT_PID_VAR = "EXAMLOPS_WORKERS_PARENT_PID"
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,16 @@ class WorkerSlot:
 
     async def follow_parent(self) -> None:
         """SIGTERM to this worker (a graceful stop) once its parent has died."""
-        while os.getppid() == self.parent_pid:
-            await asyncio.sleep(PARENT_CHECK_S)
-        log.warning("worker %d: the parent process %d is gone; stopping", self.index, self.parent_pid)
-        os.kill(os.getpid(), signal.SIGTERM)
+        await follow_parent(self.parent_pid, f"worker {self.index}")
+
+
+async def follow_parent(parent_pid: int, who: str) -> None:
+    """SIGTERM to this process (a graceful stop) once `parent_pid` is no longer its parent: a worker
+    whose parent was killed would otherwise keep serving, and keep the port, with no one to stop it."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_CHECK_S)
+    log.warning("%s: the parent process %d is gone; stopping", who, parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check_port(host: str, port: int) -> int:
