@@ -140,3 +140,26 @@ def test_an_n_the_engine_coerces_is_read_as_several_choices(n: Any) -> None:
     events = reader(n=n)
     events.feed(frames([vllm_chunk("a", 1, index=0), vllm_chunk("b", 1, index=1), vllm_chunk("c", 2, index=0)]))
     assert events.usage is not None and events.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_any_split_into_reads_gives_the_frames_of_one_read(crlf: bool) -> None:
+    body = frames([vllm_chunk(t, i + 1) for i, t in enumerate(TRICKY[:4])]) + b"data: [DONE]\n\n"
+    if crlf:
+        body = body.replace(b"\n", b"\r\n")
+    whole = reader(stats=True)
+    expected = whole.feed(body) + whole.finish()
+    for size in (1, 2, 3, 7, 64):
+        r = reader(stats=True)
+        got = b"".join(r.feed(body[at:at + size]) for at in range(0, len(body), size)) + r.finish()
+        assert (got, r.usage, r.done) == (expected, whole.usage, whole.done), size
+
+
+def test_a_long_event_s_reads_are_joined_once_when_its_end_comes() -> None:
+    event = b"data: " + vllm_chunk("x" * 200_000, 1) + b"\n\n"
+    r = reader(stats=True)
+    reads = [event[at:at + 4096] for at in range(0, len(event), 4096)]
+    for data in reads[:-1]:
+        assert r.feed(data) == b""
+    assert len(r.pending) == len(reads) - 1  # kept apart, not rebuilt on every read
+    assert r.feed(reads[-1]) == event and not r.pending

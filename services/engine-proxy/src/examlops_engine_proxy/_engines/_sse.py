@@ -118,7 +118,7 @@ class EventReader:
     usage after the last event given out, `done` whether [DONE] came, `error` the failure that
     ended the stream (the events before it are given out first)."""
 
-    __slots__ = ("carry", "done", "error", "fail", "last", "many", "running", "strip", "usage", "want_chunk")
+    __slots__ = ("done", "error", "fail", "last", "many", "pending", "running", "strip", "usage", "want_chunk")
 
     def __init__(self, gen: Generation, fail: Callable[[str, str], ReplicaFailed]) -> None:
         self.fail = fail
@@ -130,25 +130,36 @@ class EventReader:
         self.last: bytes | dict[str, Any] | None = None  # the latest chunk usage not yet in `usage`
         self.done = False
         self.error: ReplicaFailed | None = None
-        self.carry = b""
+        self.pending: list[bytes] = []  # the reads of an event not yet complete
 
     def feed(self, data: bytes) -> bytes:
-        """The complete events so far, as `data: {...}\\n\\n` frames; b"" when none completed."""
-        if self.carry:
-            data = self.carry + data
+        """The complete events so far, as `data: {...}\\n\\n` frames; b"" when none completed.
+        A long event's reads are kept apart until its end comes, each read scanned once (joining them
+        on every read would cost the square of the event's size)."""
+        pending = self.pending
+        if pending:
+            last = pending[-1][-1:]
+            pending.append(data)
+            if b"\n\n" not in data and b"\r" not in data and last != b"\r" and last + data[:1] != b"\n\n":
+                return b""
+            data = b"".join(pending)
+            pending.clear()
         if b"\r" in data:  # CRLF-framed events (a CR alone at the end waits for its LF)
             data = data.replace(b"\r\n", b"\n")
         end = data.rfind(b"\n\n")
         if end < 0:
-            self.carry = data
+            pending.append(data)
             return b""
         end += 2
-        self.carry = data[end:]
-        return self._events(data[:end] if self.carry else data)
+        if end < len(data):
+            pending.append(data[end:])
+            return self._events(data[:end])
+        return self._events(data)
 
     def finish(self) -> bytes:
         """The body ended: an event left without its blank line still counts."""
-        rest, self.carry = self.carry, b""
+        rest = b"".join(self.pending)
+        self.pending.clear()
         return self._events(rest + b"\n\n") if rest.strip() else b""
 
     def _events(self, block: bytes) -> bytes:
