@@ -117,11 +117,10 @@ async def _answer(first: pb.GenerateChunk, chunks: AsyncIterator[pb.GenerateChun
     chunk: pb.GenerateChunk | None = first
     while chunk is not None:
         if chunk.final and chunk.sse and before is not None:
-            events = pb.GenerateChunk()
-            events.CopyFrom(chunk)
-            events.final = False
-            yield events
-            chunk = pb.GenerateChunk(final=True, usage=chunk.usage if chunk.HasField("usage") else None)
+            usage = chunk.usage if chunk.HasField("usage") else None
+            chunk.final = False  # its events go on now, not copied
+            yield chunk
+            chunk = pb.GenerateChunk(final=True, usage=usage)
         yield await _ending(chunk, replica, before)
         chunk = await anext(chunks, None)
 

@@ -88,11 +88,14 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
         """A non-streamed answer in one message (what Generate would send, merged)."""
         outcome = "error"
         try:
-            answer = pb.GenerateChunk()
+            answer: pb.GenerateChunk | None = None
             async for chunk in self.answer(request, context, once=True):
-                answer.MergeFrom(chunk)  # bytes and messages: the later one's; warnings: appended
+                if answer is None:
+                    answer = chunk  # the usual whole answer: one message, nothing to copy
+                else:
+                    answer.MergeFrom(chunk)  # bytes and messages: the later one's; warnings: appended
             outcome = "ok"
-            return answer
+            return answer if answer is not None else pb.GenerateChunk()
         except EngineError as exc:
             outcome = exc.reason
             await abort(context, exc.code, exc.reason, str(exc), exc.param)
