@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 #: An acknowledged settle is kept this long after it was acknowledged (by a Redis run seen alive
 #: since): more than the 2 s Redis may hold a write back, plus an fsync that overran.
 REPLAY_WINDOW_S = 10.0
+#: At most this many settles are kept (about 0.9 kB each): a store this replica cannot watch (INFO
+#: failing while settles land, a cluster node down) confirms nothing, and the oldest go first.
+MAX_ENTRIES = 100_000
 
 AOF_DELAYED_FSYNC = Gauge("examlops_gateway_governance_store_aof_delayed_fsync",
                           "The governance store's INFO persistence aof_delayed_fsync (summed over a cluster's "
@@ -52,11 +55,17 @@ Settle = Callable[[list[str], list[Any]], Awaitable[Any]]
 class SettleJournal:
     """Settles the store acknowledged and may still lose: (acknowledged at, keys, argv)."""
 
-    def __init__(self, window_s: float = REPLAY_WINDOW_S) -> None:
+    def __init__(self, window_s: float = REPLAY_WINDOW_S, max_entries: int = MAX_ENTRIES) -> None:
         self.window_s = window_s
-        self.entries: deque[tuple[float, list[str], list[Any]]] = deque()
+        self.entries: deque[tuple[float, list[str], list[Any]]] = deque(maxlen=max_entries)
+        self.dropped = 0  # settles pushed out unconfirmed by the bound
 
     def add(self, keys: list[str], argv: list[Any]) -> None:
+        if len(self.entries) == self.entries.maxlen:
+            if not self.dropped:
+                log.warning("the settle journal is full (%d settles the store was not seen to keep): the oldest "
+                            "are no longer re-sent if it restarts", self.entries.maxlen)
+            self.dropped += 1
         self.entries.append((time.monotonic(), keys, argv))
 
     def confirm(self, alive_at: float) -> None:
@@ -66,9 +75,11 @@ class SettleJournal:
             self.entries.popleft()
 
     async def replay(self, settle: Settle) -> tuple[int, int]:
-        """Send every kept settle again; (recovered, kept). A Redis error leaves the rest for later."""
+        """Send every settle kept when it starts again (those acknowledged meanwhile are the new run's:
+        chasing them could go on as long as calls keep coming); (recovered, kept). A Redis error leaves
+        the rest for later."""
         recovered = kept = 0
-        while self.entries:
+        for _ in range(len(self.entries)):
             _, keys, argv = self.entries[0]
             reply = await settle(keys, argv)
             self.entries.popleft()
