@@ -1,6 +1,6 @@
 """Peers: LiteLLM's proxy, a plain pass-through proxy and our stack in front of the same stub, in one run.
 
-    make bench-peers                                   # installs LiteLLM once, then the full run (~6 min)
+    make bench-peers                                   # installs LiteLLM once, then the full run (~7 min)
     .venv/bin/python bench/bench_peers.py --quick      # ~2.5 min
     .venv/bin/python bench/bench_peers.py --litellm-venv DIR --results-dir DIR --no-pin
 

@@ -174,6 +174,11 @@ def test_redis_is_a_statefulset_with_a_claim_and_a_headless_service(rendered: li
     assert svc["spec"]["clusterIP"] == "None" and gateway["spec"]["serviceName"] == "gateway-redis"
     args = " ".join(one_container(gateway)["args"])
     assert "--appendonly yes" in args and "--appendfsync everysec" in args
+    # A full store refuses writes (503) rather than being OOM-killed, and never evicts a key.
+    assert "--maxmemory-policy noeviction" in args
+    maxmemory = int(args.split("--maxmemory ")[1].split()[0].removesuffix("mb")) * 2**20
+    limit = one_container(gateway)["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and maxmemory <= 0.8 * int(limit.removesuffix("Gi")) * 2**30
     assert config["data"]["EXAMLOPS_GATEWAY_REDIS_URL"] == "redis://gateway-redis-0.gateway-redis:6379/0"
 
 
