@@ -13,8 +13,8 @@ ours with a virtual key whose budget, RPM and TPM are far from binding on a pric
 Points: non-streamed and streamed, at 1 client (p50, p99, TTFT: the load generator's time to the
 first `data:` event) and at 32 clients (req/s). In each round every point drives every target with
 the same load generator, in an order that rotates per round, each warmed up first. With `taskset`
-the proxy under test (for ours: gateway and engine-proxy together) runs on CPU 0; the stub, the load
-generator, Redis and the rest on CPU 1.
+the proxy under test (for ours: gateway and engine-proxy together) runs on the first CPU this run may
+use; the stub, the load generator, Redis and the rest on the second.
 
 Prints the peers table, the ratios and the issue's targets (met / NOT met), and writes them with the
 machine's description to bench/results/peers-<UTC date>-<hostname>.{json,md}. Exit status 1 when a
@@ -43,8 +43,6 @@ from bench_governance import governed_key  # noqa: E402
 
 from examlops.svc import DEFAULT_ADMIN_KEY  # noqa: E402
 
-PROXY_CPU, REST_CPU = 0, 1
-
 
 @dataclass(frozen=True)
 class Profile:
@@ -68,17 +66,19 @@ class Target:
     api_key: str
 
 
-def pin_all(parts: bg.Parts, peers: dict[str, int]) -> dict[str, str]:
-    """CPU 0: the proxies under test (each with its threads and children); CPU 1: everything else."""
+def pin_all(parts: bg.Parts, peers: dict[str, int], cpus: tuple[int, int]) -> dict[str, str]:
+    """The first CPU: the proxies under test (each with its threads and children); the second:
+    everything else."""
+    proxy_cpu, rest_cpu = cpus
     on_proxy = {"gateway": parts.pids["gateway"], "engine-proxy": parts.pids["engine-proxy"], **peers}
     on_rest = {name.removeprefix("other:"): pid for name, pid in parts.pids.items()
                if name not in on_proxy and name not in ("gateway", "engine-proxy")}
     on_rest["bench"] = os.getpid()
-    counts = {name: len(pt.pin(pid, PROXY_CPU)) for name, pid in on_proxy.items()}
+    counts = {name: len(pt.pin(pid, proxy_cpu)) for name, pid in on_proxy.items()}
     for pid in on_rest.values():
-        pt.pin(pid, REST_CPU)
-    return {f"CPU {PROXY_CPU}": ", ".join(f"{n} ({c} process{'es' if c > 1 else ''})" for n, c in counts.items()),
-            f"CPU {REST_CPU}": ", ".join(on_rest)}
+        pt.pin(pid, rest_cpu)
+    return {f"CPU {proxy_cpu}": ", ".join(f"{n} ({c} process{'es' if c > 1 else ''})" for n, c in counts.items()),
+            f"CPU {rest_cpu}": ", ".join(on_rest)}
 
 
 def measure_point(parts: bg.Parts, targets: dict[str, Target], point: str, profile: Profile,
@@ -141,8 +141,9 @@ def run(workdir: Path, profile_name: str, litellm_venv: Path, pinning: bool) -> 
         except (RuntimeError, TimeoutError, AssertionError) as exc:
             bg.say(f"warning: LiteLLM is left out of this run: {exc}")
         parts.pids.update(peer_pids)  # their CPU per request lands in the raw results too
-        if pinning and pt.can_pin():
-            pins = pin_all(parts, peer_pids)
+        cpus = pt.pin_cpus() if pinning else None
+        if cpus is not None:
+            pins = pin_all(parts, peer_pids, cpus)
         else:
             pins = {"none": "not pinned (--no-pin, fewer than 2 CPUs or no taskset)"}
         bg.say("pinning: " + "; ".join(f"{k}: {v}" for k, v in pins.items()))

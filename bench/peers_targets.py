@@ -116,16 +116,21 @@ def process_tree(pid: int) -> list[int]:
 
 
 def pin(pid: int, cpu: int) -> list[int]:
-    """`taskset -a -p -c cpu` on `pid` and each descendant: every thread of the tree on `cpu`."""
+    """`taskset -a -p -c cpu` on `pid` and each descendant: every thread of the tree on `cpu`.
+    Raises RuntimeError when taskset refuses (a results file must not say pinned when it was not)."""
     tree = process_tree(pid)
     for p in tree:
-        subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(p)], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(["taskset", "-a", "-p", "-c", str(cpu), str(p)], capture_output=True, text=True)
+        if done.returncode != 0 and os.path.exists(f"/proc/{p}"):  # a process that ended has nothing to pin
+            raise RuntimeError(f"taskset could not pin process {p} to CPU {cpu}: {done.stderr.strip()}")
     return tree
 
 
-def can_pin() -> bool:
-    return shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= 2
+def pin_cpus() -> tuple[int, int] | None:
+    """The two CPUs to pin on (the proxy's, the rest's): the first two this process may use; None
+    without taskset or with fewer than two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if shutil.which("taskset") is not None and len(cpus) >= 2 else None
 
 
 # ---------------------------------------------------------------------------------------------

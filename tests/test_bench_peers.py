@@ -98,7 +98,7 @@ def test_the_load_generator_reports_ttft_for_streams_only(stub: tuple[Proc, str]
     assert whole["ttft_p50_ms"] is None and whole["ttft_p99_ms"] is None
 
 
-@pytest.mark.skipif(not pt.can_pin(), reason="needs taskset and two CPUs")
+@pytest.mark.skipif(pt.pin_cpus() is None, reason="needs taskset and two CPUs")
 def test_pin_moves_every_thread_of_a_process_tree(tmp_path: Path) -> None:
     # a parent with a child, as uvicorn's workers or LiteLLM's server are
     parent = spawn("tree", [sys.executable, "-c", "import subprocess, sys, time; "
@@ -108,11 +108,14 @@ def test_pin_moves_every_thread_of_a_process_tree(tmp_path: Path) -> None:
         deadline = time.monotonic() + 10
         while len(pt.process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        tree = pt.pin(parent.pid, 1)
+        cpu = pt.pin_cpus()[1]  # type: ignore[index]
+        tree = pt.pin(parent.pid, cpu)
         assert len(tree) == 2
         for pid in tree:
             for tid in os.listdir(f"/proc/{pid}/task"):
-                assert os.sched_getaffinity(int(tid)) == {1}
+                assert os.sched_getaffinity(int(tid)) == {cpu}
+        with pytest.raises(RuntimeError, match="could not pin"):
+            pt.pin(parent.pid, max(os.sched_getaffinity(0)) + 64)  # a CPU this machine does not have
     finally:
         parent.stop()
 
