@@ -25,7 +25,6 @@ from ._grpc import (
     error_reason,
     insecure_channel,
     serve_until_signal,
-    trace_context_interceptors,
 )
 from ._logging import configure_logging
 from ._metrics import metrics_dir, metrics_registry, multiprocess_enabled, multiprocess_metrics, serve_metrics
@@ -138,7 +137,6 @@ __all__ = [
     "shutdown_tracing",
     "state_name",
     "token_problem",
-    "trace_context_interceptors",
     "tracing_config",
     "tracing_enabled",
     "unroutable_reason",

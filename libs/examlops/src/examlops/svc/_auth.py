@@ -224,59 +224,9 @@ class Refusal(NamedTuple):
 
 # --- client side -------------------------------------------------------------------------------
 
-def _aio_details(details: grpc.aio.ClientCallDetails, header: str) -> grpc.aio.ClientCallDetails:
-    metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
-    metadata.add("authorization", header)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                      details.wait_for_ready)
-
-
-class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, header: str) -> None:
-        self.header = header
-
-    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                    request: Any) -> Any:
-        return await continuation(_aio_details(details, self.header), request)
-
-
-class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, header: str) -> None:
-        self.header = header
-
-    async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                     request: Any) -> Any:
-        return await continuation(_aio_details(details, self.header), request)
-
-
-class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, header: str) -> None:
-        self.header = header
-
-    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                     request_iterator: Any) -> Any:
-        return await continuation(_aio_details(details, self.header), request_iterator)
-
-
-class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, header: str) -> None:
-        self.header = header
-
-    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                      request_iterator: Any) -> Any:
-        return await continuation(_aio_details(details, self.header), request_iterator)
-
-
 def bearer_metadata(token: str) -> tuple[str, str]:
     """The metadata entry that carries `token` on a call."""
     return ("authorization", f"Bearer {token}")
-
-
-def aio_bearer_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that send `token` on every call of an aio channel (one per call shape);
-    svc.insecure_channel sends it in each call's metadata instead, which costs less."""
-    header = bearer_metadata(token)[1]
-    return [_AioUnaryUnary(header), _AioUnaryStream(header), _AioStreamUnary(header), _AioStreamStream(header)]
 
 
 class _SyncDetails(NamedTuple):

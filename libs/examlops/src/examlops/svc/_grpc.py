@@ -21,51 +21,6 @@ from ._wire import PARAM_KEY, REASON_KEY
 log = logging.getLogger(__name__)
 
 
-def _traced(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    """`details` with the current span's `traceparent`/`tracestate` added to the metadata."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    if not carrier:
-        return details
-    metadata = grpc.aio.Metadata(*tuple(details.metadata or ()))
-    for key, value in carrier.items():
-        metadata.add(key, value)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                      details.wait_for_ready)
-
-
-class _InjectUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                    request: Any) -> Any:
-        return await continuation(_traced(details), request)
-
-
-class _InjectUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                     request: Any) -> Any:
-        return await continuation(_traced(details), request)
-
-
-class _InjectStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                     request_iterator: Any) -> Any:
-        return await continuation(_traced(details), request_iterator)
-
-
-class _InjectStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                      request_iterator: Any) -> Any:
-        return await continuation(_traced(details), request_iterator)
-
-
-def trace_context_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors that send the current trace context (one per call shape); none when
-    tracing is off."""
-    if not tracing_enabled():
-        return []
-    return [_InjectUnaryUnary(), _InjectUnaryStream(), _InjectStreamUnary(), _InjectStreamStream()]
-
-
 MAX_CONNECTION_AGE_MS = 60_000
 MAX_CONNECTION_AGE_GRACE_MS = 900_000
 
