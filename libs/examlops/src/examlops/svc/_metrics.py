@@ -40,14 +40,19 @@ def metrics_dir(service: str, parent_pid: int) -> list[Path]:
 
 
 def _sweep_stale(service: str) -> None:
-    """Remove the directories a killed parent of this service left behind (its pid is gone)."""
+    """Remove the directories a killed parent of this service left behind: its pid is gone, or is
+    this process's (a container restarted in a fresh pid namespace gives the parent the same pid)."""
     pattern = re.compile(re.escape(_dir_prefix(service)) + r"(\d+)-")
     for path in Path(tempfile.gettempdir()).glob(_dir_prefix(service) + "*"):
         match = pattern.match(path.name)
         if match is None or not path.is_dir():
             continue
+        pid = int(match.group(1))
+        if pid == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         try:
-            os.kill(int(match.group(1)), 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
