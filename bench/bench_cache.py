@@ -58,8 +58,13 @@ def _body(stream: bool) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-def _policy(stack: Stack, model: str, mode: str) -> None:
-    resp = httpx.put(stack.gateway_url + "/admin/cache/policies", headers=ADMIN, json={"model": model, "mode": mode})
+def _policy(stack: Stack, model: str, mode: str | None) -> None:
+    """Set the model's cache policy (None: remove it) and wait until the gateway applied it."""
+    url = stack.gateway_url + "/admin/cache/policies"
+    if mode is None:
+        resp = httpx.delete(url, headers=ADMIN, params={"model": model})
+    else:
+        resp = httpx.put(url, headers=ADMIN, json={"model": model, "mode": mode})
     resp.raise_for_status()
     deadline = time.monotonic() + 10
     while True:
@@ -72,12 +77,7 @@ def _policy(stack: Stack, model: str, mode: str) -> None:
 
 
 def _p50(parts: bg.Parts, url: str, stream: bool, profile: tuple[int, int, float]) -> float:
-    requests, warmup, max_s = profile
-    spec = {"url": url, "path": bg.CHAT_PATH, "body": _body(stream), "api_key": DEFAULT_ADMIN_KEY, "stream": stream,
-            "concurrency": 1, "requests": requests, "warmup": warmup, "max_seconds": max_s}
-    res = parts.loadgen.measure(spec, parts.pids, parts.stub_url)
-    if res["errors"]:
-        bg.say(f"warning: {res['errors']} failed requests, first: {res['first_error']}")
+    res = parts.loadgen.chat(url, DEFAULT_ADMIN_KEY, stream, 1, profile, parts.pids, parts.stub_url, _body(stream))
     return float(res["p50_ms"])
 
 
@@ -99,7 +99,7 @@ def bench_exact(workdir: Path, profile: tuple[int, int, float]) -> list[str]:
                 raise RuntimeError(f"expected a hit, got {check.headers.get('x-examlops-cache')!r}")
             bg.say(f"exact, {kind}: gateway, every request a hit")
             hit = _p50(parts, stack.gateway_url, stream, profile)
-            httpx.delete(stack.gateway_url + "/admin/cache/policies", headers=ADMIN, params={"model": bg.ENDPOINT})
+            _policy(stack, bg.ENDPOINT, None)  # the next kind's uncached run must not hit
             cost = uncached - direct
             lines.append(f"exact hit, {kind:<10}: direct {direct:.3f} ms, gateway uncached {uncached:.3f} ms "
                          f"(gateway cost {cost:.3f} ms), hit {hit:.3f} ms -> added over the gateway cost "

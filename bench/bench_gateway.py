@@ -143,6 +143,19 @@ class LoadGen:
             raise RuntimeError(f"load generator failed: {msg['error']}")
         return msg
 
+    def chat(self, url: str, api_key: str, stream: bool, clients: int, load: tuple[int, int, float],
+             pids: dict[str, int], stub_url: str, body: str | None = None, label: str = "") -> dict[str, Any]:
+        """`measure` of the benchmark's chat request (or `body`) at `url`; `load`: (requests, warm-up
+        requests, max seconds). Failed requests are reported, the result keeps their count."""
+        requests, warmup, max_seconds = load
+        spec = {"url": url, "path": CHAT_PATH, "body": body or request_body(stream), "api_key": api_key,
+                "stream": stream, "concurrency": clients, "requests": requests, "warmup": warmup,
+                "max_seconds": max_seconds}
+        res = self.measure(spec, pids, stub_url)
+        if res["errors"]:
+            say(f"warning: {label}{res['errors']} failed requests, first: {res['first_error']}")
+        return res
+
     def measure(self, spec: dict[str, Any], pids: dict[str, int], stub_url: str) -> dict[str, Any]:
         """Warm up, then run the measured requests; CPU of `pids` is sampled around that part only."""
         limit = 2 * float(spec["max_seconds"]) + 30
@@ -306,19 +319,15 @@ def run_scenarios(parts: Parts, profile: Profile) -> list[dict[str, Any]]:
             one = concurrency == 1
             row: dict[str, Any] = {"scenario": sc.label, "stream": stream, "concurrency": concurrency}
             for target, url in (("direct", parts.stub_url), ("gateway", parts.stack.gateway_url)):
-                spec = {"url": url, "path": CHAT_PATH, "body": request_body(stream), "api_key": DEFAULT_ADMIN_KEY,
-                        "stream": stream, "concurrency": concurrency,
-                        "requests": profile.latency_requests if one else profile.throughput_requests,
-                        "warmup": profile.latency_warmup if one else profile.throughput_warmup,
-                        "max_seconds": profile.max_seconds}
-                say(f"{sc.label:<22} {target:<8} {spec['requests']} requests")
-                res = parts.loadgen.measure(spec, parts.pids, parts.stub_url)
+                load = (profile.latency_requests if one else profile.throughput_requests,
+                        profile.latency_warmup if one else profile.throughput_warmup, profile.max_seconds)
+                say(f"{sc.label:<22} {target:<8} {load[0]} requests")
+                res = parts.loadgen.chat(url, DEFAULT_ADMIN_KEY, stream, concurrency, load, parts.pids,
+                                         parts.stub_url)
                 cpu = res["cpu_ms_per_request"]
                 cpu["other"] = sum(v for k, v in cpu.items() if k.startswith("other:"))
                 res["cpu_ms_per_request"] = {k: v for k, v in cpu.items() if not k.startswith("other:")}
-                if res["errors"]:
-                    say(f"warning: {res['errors']} failed requests, first: {res['first_error']}")
-                if res["count"] < spec["requests"]:
+                if res["count"] < load[0]:
                     say(f"note: phase capped at {profile.max_seconds:.0f}s after {res['count']} requests")
                 row[target] = res
             results.append(row)

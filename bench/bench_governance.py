@@ -84,13 +84,8 @@ def governed_key(parts: bg.Parts) -> str:
 
 def measure(parts: bg.Parts, key: str, stream: bool, concurrency: int, requests: int, warmup: int,
             max_seconds: float) -> dict[str, Any]:
-    spec = {"url": parts.stack.gateway_url, "path": bg.CHAT_PATH, "body": bg.request_body(stream), "api_key": key,
-            "stream": stream, "concurrency": concurrency, "requests": requests, "warmup": warmup,
-            "max_seconds": max_seconds}
-    res: dict[str, Any] = parts.loadgen.measure(spec, parts.pids, parts.stub_url)
-    if res["errors"]:
-        bg.say(f"warning: {res['errors']} failed requests, first: {res['first_error']}")
-    return res
+    return parts.loadgen.chat(parts.stack.gateway_url, key, stream, concurrency, (requests, warmup, max_seconds),
+                              parts.pids, parts.stub_url)
 
 
 def set_fsync(parts: bg.Parts, mode: str) -> None:

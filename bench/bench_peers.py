@@ -90,15 +90,11 @@ def measure_point(parts: bg.Parts, targets: dict[str, Target], point: str, profi
     out: dict[str, dict[str, Any]] = {}
     for name in order:
         t = targets[name]
-        spec = {"url": t.url, "path": bg.CHAT_PATH, "body": bg.request_body(stream), "api_key": t.api_key,
-                "stream": stream, "concurrency": clients,
-                "requests": profile.requests_c1 if one else profile.requests_c32,
-                "warmup": profile.warmup_c1 if one else profile.warmup_c32, "max_seconds": profile.max_seconds}
+        load = (profile.requests_c1 if one else profile.requests_c32, profile.warmup_c1 if one else profile.warmup_c32,
+                profile.max_seconds)
         bg.say(f"round {round_i + 1}/{profile.rounds}  {point:<16} {name}")
-        res = parts.loadgen.measure(spec, parts.pids, parts.stub_url)
-        if res["errors"]:
-            bg.say(f"warning: {name}: {res['errors']} failed requests, first: {res['first_error']}")
-        out[name] = res
+        out[name] = parts.loadgen.chat(t.url, t.api_key, stream, clients, load, parts.pids, parts.stub_url,
+                                       label=f"{name}: ")
     return out
 
 

@@ -86,11 +86,9 @@ def measure(workdir: Path, profile_name: str) -> tuple[str, dict[str, Any]]:
             for stream in (False, True):
                 for name in order:
                     stack = stacks[name]
-                    spec = {"url": stack.gateway_url, "path": bg.CHAT_PATH, "body": bg.request_body(stream),
-                            "api_key": DEFAULT_ADMIN_KEY, "stream": stream, "concurrency": 1,
-                            "requests": profile["requests"], "warmup": profile["warmup"], "max_seconds": 30}
                     pids = {"gateway": stack.procs["gateway"].pid, "engine-proxy": stack.procs["engine-proxy"].pid}
-                    res = loadgen.measure(spec, pids, stub_url)
+                    res = loadgen.chat(stack.gateway_url, DEFAULT_ADMIN_KEY, stream, 1,
+                                       (profile["requests"], profile["warmup"], 30), pids, stub_url)
                     if res["errors"]:
                         raise RuntimeError(f"{name}: {res['errors']} failed requests, first: {res['first_error']}")
                     rows.setdefault((name, "stream" if stream else "non-stream"), []).append(res)

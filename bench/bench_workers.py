@@ -112,12 +112,8 @@ def run(parts: bg.Parts, profile: Profile, ep_workers: int) -> dict[str, Any]:
             for t in order:
                 kind = "stream" if stream else "non-stream"
                 bg.say(f"round {i + 1}/{profile.rounds}  {kind:<10} {CONCURRENCY} clients  gateway {t.label}")
-                spec = {"url": t.url, "path": bg.CHAT_PATH, "body": bg.request_body(stream), "api_key": key,
-                        "stream": stream, "concurrency": CONCURRENCY, "requests": profile.requests,
-                        "warmup": profile.warmup, "max_seconds": profile.max_seconds}
-                res = parts.loadgen.measure(spec, t.pids, parts.stub_url)
-                if res["errors"]:
-                    bg.say(f"warning: {res['errors']} failed requests, first: {res['first_error']}")
+                load = (profile.requests, profile.warmup, profile.max_seconds)
+                res = parts.loadgen.chat(t.url, key, stream, CONCURRENCY, load, t.pids, parts.stub_url)
                 rounds.append({"round": i, "stream": stream, "target": t.label, "rps": res["rps"],
                                "cpu_ms": by_class(res), "foreign_cpu_cores": res["foreign_cpu_cores"],
                                "errors": res["errors"]})

@@ -84,9 +84,7 @@ def test_the_load_generator_reports_ttft_for_streams_only(stub: tuple[Proc, str]
     try:
         results = {}
         for stream in (True, False):
-            spec = {"url": url, "path": bg.CHAT_PATH, "body": bg.request_body(stream), "api_key": "unused",
-                    "stream": stream, "concurrency": 2, "requests": 40, "warmup": 4, "max_seconds": 20}
-            results[stream] = loadgen.measure(spec, {"stub": proc.pid}, url)
+            results[stream] = loadgen.chat(url, "unused", stream, 2, (40, 4, 20), {"stub": proc.pid}, url)
     finally:
         loadgen.close()
     streamed, whole = results[True], results[False]
