@@ -165,11 +165,11 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
     outcomes: list[str] = []
     streams: list[str] = []
     lock = threading.Lock()
-    start = threading.Barrier(57)
+    go = threading.Event()               # the 50 plain calls wait for it: the streams start first
     streaming = threading.Semaphore(0)   # released once by each stream at its first token
 
     def plain(i: int) -> None:
-        start.wait()
+        go.wait()
         try:
             reply = client.chat.completions.create(
                 model=name, max_tokens=64, temperature=0,
@@ -181,7 +181,6 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
             outcomes.append(outcome)
 
     def streamed(i: int) -> None:
-        start.wait()
         got = 0
         try:
             for chunk in client.chat.completions.create(
@@ -197,17 +196,21 @@ def test_sigkill_of_one_replica_under_load_fails_no_request_and_it_comes_back(
         with lock:
             streams.append(outcome)
 
-    with ThreadPoolExecutor(57) as pool:
-        futures = [pool.submit(plain, i) for i in range(50)] + [pool.submit(streamed, i) for i in range(6)]
-        start.wait()
+    with ThreadPoolExecutor(56) as pool:
+        futures = [pool.submit(streamed, i) for i in range(6)] + [pool.submit(plain, i) for i in range(50)]
         for _ in range(6):  # every stream has sent a token: the killed server's streams are cut mid-way
             assert streaming.acquire(timeout=120), "a stream sent no token in 120 s"
-        # The server with the most requests in flight dies (least-load balances by live metrics, which
-        # a loaded machine may scrape late: the split is not known in advance).
+        # Only the streams are in flight: the server with most of them dies (least-load splits by live
+        # metrics, which a loaded machine may scrape late, so the split is not known in advance).
         load = replica_stats(stack, name)
         victim_id = max(sorted(load), key=lambda r: load[r].in_flight)
+        streams_on_victim = load[victim_id].in_flight
         victim = pair[int(victim_id.removeprefix("r"))]
-        assert victim.proc is not None
+        assert victim.proc is not None and streams_on_victim > 0, load
+        go.set()  # the 50 plain calls; it dies once some of them are in flight on it too
+        wait_until(lambda: replica_stats(stack, name)[victim_id].in_flight > streams_on_victim, timeout_s=60,
+                   what=f"plain calls in flight on {victim_id}")
+        load = replica_stats(stack, name)
         victim.proc.stop(signal.SIGKILL)
         killed_at = time.monotonic()
         for f in futures:
