@@ -38,3 +38,35 @@ def test_the_journal_never_holds_more_than_its_bound() -> None:
         journal.add(*settle_args(n))
     assert [argv[0] for _, _, argv in journal.entries] == [f"res{n}" for n in range(7, 12)]
     assert journal.dropped == 7
+
+
+def test_a_replay_that_meets_a_redis_error_keeps_what_did_not_land_in_order() -> None:
+    journal = SettleJournal()
+    for n in range(200):  # more than one batch of REPLAY_CONCURRENCY
+        journal.add(*settle_args(n))
+    landed: list[str] = []
+
+    async def settle(keys: list[str], argv: list[Any]) -> list[str]:
+        await asyncio.sleep(0)
+        if argv[0] in ("res70", "res75"):  # the second batch: two of its settles meet a dead store
+            raise ConnectionError("store gone")
+        landed.append(argv[0])
+        return ["ok"]
+
+    try:
+        asyncio.run(journal.replay(settle))
+        raise AssertionError("the Redis error must reach the caller, to replay again later")
+    except ConnectionError:
+        pass
+    left = [argv[0] for _, _, argv in journal.entries]
+    assert left == ["res70", "res75"] + [f"res{n}" for n in range(128, 200)]
+    assert sorted(landed + left, key=lambda r: int(r[3:])) == [f"res{n}" for n in range(200)]
+
+    landed.clear()
+    assert asyncio.run(journal.replay(lambda keys, argv: _ok(argv, landed))) == (74, 0)
+    assert not journal.entries and len(landed) == 74
+
+
+async def _ok(argv: list[Any], landed: list[str]) -> list[str]:
+    landed.append(argv[0])
+    return ["ok"]

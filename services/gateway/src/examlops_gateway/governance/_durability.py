@@ -15,6 +15,7 @@ the run_id, the journal, and the gauges of `aof_delayed_fsync` and AOF on/off.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -34,6 +35,8 @@ REPLAY_WINDOW_S = 10.0
 #: At most this many settles are kept (about 0.9 kB each): a store this replica cannot watch (INFO
 #: failing while settles land, a cluster node down) confirms nothing, and the oldest go first.
 MAX_ENTRIES = 100_000
+#: A replay has this many settles in flight at once.
+REPLAY_CONCURRENCY = 64
 
 AOF_DELAYED_FSYNC = Gauge("examlops_gateway_governance_store_aof_delayed_fsync",
                           "The governance store's INFO persistence aof_delayed_fsync (summed over a cluster's "
@@ -76,17 +79,23 @@ class SettleJournal:
 
     async def replay(self, settle: Settle) -> tuple[int, int]:
         """Send every settle kept when it starts again (those acknowledged meanwhile are the new run's:
-        chasing them could go on as long as calls keep coming); (recovered, kept). A Redis error leaves
-        the rest for later."""
+        chasing them could go on as long as calls keep coming), REPLAY_CONCURRENCY at a time (one by
+        one, 50,000 kept settles would hold the heartbeat loop past the replica's TTL); (recovered,
+        kept). A Redis error raises once the batch is in, leaving the settles not yet landed for later."""
         recovered = kept = 0
-        for _ in range(len(self.entries)):
-            _, keys, argv = self.entries[0]
-            reply = await settle(keys, argv)
-            self.entries.popleft()
-            if reply[0] == "ok":
-                recovered += 1
-            else:
-                kept += 1
+        todo = len(self.entries)
+        while todo:
+            batch = [self.entries.popleft() for _ in range(min(todo, REPLAY_CONCURRENCY))]
+            todo -= len(batch)
+            replies = await asyncio.gather(*(settle(keys, argv) for _, keys, argv in batch), return_exceptions=True)
+            failed = [entry for entry, reply in zip(batch, replies, strict=True) if isinstance(reply, BaseException)]
+            for reply in replies:
+                if not isinstance(reply, BaseException):
+                    recovered, kept = (recovered + 1, kept) if reply[0] == "ok" else (recovered, kept + 1)
+            if failed:
+                rest = [self.entries.popleft() for _ in range(todo)]  # their turn had not come
+                self.entries.extendleft(reversed(failed + rest))
+                raise next(r for r in replies if isinstance(r, BaseException))
         return recovered, kept
 
 
