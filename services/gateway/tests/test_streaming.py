@@ -26,7 +26,7 @@ class Seen:
         self.returned = asyncio.Event()
 
 
-def streaming_app(seen: Seen) -> Any:
+def streaming_app(seen: Seen, write_timeout_s: float | None = None) -> Any:
     async def body() -> AsyncIterator[bytes]:
         try:
             while True:  # never awaits: a cancel can only land in the response's write
@@ -45,18 +45,30 @@ def streaming_app(seen: Seen) -> Any:
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            await Probe(body(), media_type="text/event-stream")(scope, receive, send)
+            response = Probe(body(), media_type="text/event-stream")
+            response.write_timeout_s = write_timeout_s
+            await response(scope, receive, send)
 
     return app
 
 
 @pytest.mark.asyncio
 async def test_a_client_gone_while_a_write_waits_closes_the_stream_before_the_response_returns() -> None:
-    seen = Seen()
+    await _client_stops_reading(Seen(), None, reset=True)
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_reads_nothing_and_stays_has_its_stream_ended_after_the_write_timeout() -> None:
+    await _client_stops_reading(Seen(), 0.5, reset=False)
+
+
+async def _client_stops_reading(seen: Seen, write_timeout_s: float | None, reset: bool) -> None:
+    """A client that reads nothing of an endless stream; it then resets, or just stays."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(streaming_app(seen), http="httptools", lifespan="off", log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(streaming_app(seen, write_timeout_s), http="httptools", lifespan="off",
+                                           log_level="critical"))
     serving = asyncio.get_running_loop().create_task(server.serve(sockets=[listener]))
     client = socket.socket()
     try:
@@ -68,8 +80,9 @@ async def test_a_client_gone_while_a_write_waits_closes_the_stream_before_the_re
         await asyncio.get_running_loop().sock_sendall(client, b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
         while seen.yielded < 2:  # seen only once a write waits: the client reads nothing
             await asyncio.sleep(0.01)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        client.close()  # a reset, with the stream waiting to write
+        if reset:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()  # a reset, with the stream waiting to write
         await asyncio.wait_for(seen.returned.wait(), 30)
         assert seen.closed_when_returned is True
     finally:

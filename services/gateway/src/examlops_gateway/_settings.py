@@ -83,6 +83,10 @@ class GatewaySettings(ServiceSettings):
                                         description="Tokens added to the prompt estimate for the chat template.")
     media_part_tokens: int = Field(default=4096, ge=0,
                                    description="Prompt tokens reserved per image/audio/video part.")
+    stream_write_timeout_s: float = Field(default=60.0, gt=0,
+                                          description="A streamed answer whose client reads nothing this long (a "
+                                                      "write held back by its flow control) is ended and its "
+                                                      "connection closed; the call is billed what was sent.")
     heartbeat_s: float = Field(default=5.0, gt=0,
                                description="How often this replica tells Redis it is alive.")
     replica_ttl_s: float = Field(default=15.0, gt=0,

@@ -164,7 +164,9 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
     if not stream:
         return _SettledAnswer(first, ticket, headers, span)
     sse = _sse(call, first, ticket, span, state.settings.heartbeat_s, checked, tap)  # notes progress once per heartbeat
-    return _SettledStream(sse, call, first, ticket, headers, span)
+    response = _SettledStream(sse, call, first, ticket, headers, span)
+    response.write_timeout_s = state.settings.stream_write_timeout_s
+    return response
 
 
 class _SettledAnswer(Response):
