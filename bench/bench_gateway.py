@@ -300,28 +300,17 @@ def bring_up(workdir: Path) -> Iterator[Parts]:
 # Measuring
 
 
-@dataclass
-class Scenario:
-    stream: bool
-    concurrency: int
-
-    @property
-    def label(self) -> str:
-        kind = "stream" if self.stream else "non-stream"
-        return f"{kind}, {self.concurrency} client{'s' if self.concurrency > 1 else ''}"
-
-
 def run_scenarios(parts: Parts, profile: Profile) -> list[dict[str, Any]]:
     results = []
     for stream in (False, True):
         for concurrency in (1, 32):
-            sc = Scenario(stream, concurrency)
             one = concurrency == 1
-            row: dict[str, Any] = {"scenario": sc.label, "stream": stream, "concurrency": concurrency}
+            label = f"{'stream' if stream else 'non-stream'}, {concurrency} client{'' if one else 's'}"
+            row: dict[str, Any] = {"scenario": label, "stream": stream, "concurrency": concurrency}
+            load = (profile.latency_requests if one else profile.throughput_requests,
+                    profile.latency_warmup if one else profile.throughput_warmup, profile.max_seconds)
             for target, url in (("direct", parts.stub_url), ("gateway", parts.stack.gateway_url)):
-                load = (profile.latency_requests if one else profile.throughput_requests,
-                        profile.latency_warmup if one else profile.throughput_warmup, profile.max_seconds)
-                say(f"{sc.label:<22} {target:<8} {load[0]} requests")
+                say(f"{label:<22} {target:<8} {load[0]} requests")
                 res = parts.loadgen.chat(url, DEFAULT_ADMIN_KEY, stream, concurrency, load, parts.pids,
                                          parts.stub_url)
                 cpu = res["cpu_ms_per_request"]
