@@ -82,6 +82,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     backends = {"slow": start_backend(workdir, "slow", "--tokens-per-chunk", "3"),
                 "bulky": start_backend(workdir, "bulky", "--tokens-per-chunk", "40", "--delay", "0.05"),
                 "mute": start_backend(workdir, "mute", "--tokens-per-chunk", "3", "--no-usage")}
+    chaos: Chaos | None = None
     try:
         with running_stack(workdir, redis_server, FAST) as stack:
             for name, (_proc, url) in backends.items():
@@ -91,12 +92,14 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
                 out = stack.cli("gateway", "price", "set", model, "--input-per-mtok", "1", "--output-per-mtok", "2")
                 assert out.returncode == 0, out.stderr
             chaos = Chaos(stack, redis_server, backends)
-            wait_until(lambda: _ready(stack), 15)
+            wait_until(lambda: _ready(stack), 60)
             yield chaos
     finally:
         for proc, _url in backends.values():
             proc.stop()
         redis_server.proc.stop()
+        if chaos is not None:  # a test restarts Redis: the fixture stops the one running now
+            chaos.redis_server.proc.stop()
 
 
 def _ready(stack: Stack) -> bool:
@@ -284,14 +287,14 @@ def test_redis_killed_and_restarted_under_load_loses_nothing_acknowledged(chaos:
         assert all(r.sismember("{exa:gw}:keys", key_id) for key_id in acked)
         audited = {e.split(":", 1)[1] for e in _audit_targets(stack)}
         assert set(acked) <= audited
-    wait_until(lambda: sum(1 for rec in chaos.records(row["id"]) if rec["status"] == "200") >= calls["ok"] + 1, 15)
+    wait_until(lambda: sum(1 for rec in chaos.records(row["id"]) if rec["status"] == "200") >= calls["ok"] + 1, 60)
     f = chaos.key(row["id"])
     records = chaos.records(row["id"])
     assert [rec for rec in records if rec["status"] == "reaped"] == []
     streamed_rec = [rec for rec in records if rec["completion_tokens"] == "60"]
     assert len(streamed_rec) == 1 and streamed_rec[0]["late"] == "0"  # the stream's real cost, charged once
     assert sum(int(rec["cost_micro_usd"]) for rec in records) == int(f["spent"])
-    wait_until(lambda: chaos.key(row["id"])["reserved"] == "0", 10)
+    wait_until(lambda: chaos.key(row["id"])["reserved"] == "0", 60)
 
 
 def _audit_targets(stack: Stack) -> list[str]:
