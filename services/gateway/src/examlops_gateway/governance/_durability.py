@@ -89,9 +89,9 @@ class SettleJournal:
             todo -= len(batch)
             replies = await asyncio.gather(*(settle(keys, argv) for _, keys, argv in batch), return_exceptions=True)
             failed = [entry for entry, reply in zip(batch, replies, strict=True) if isinstance(reply, BaseException)]
-            for reply in replies:
-                if not isinstance(reply, BaseException):
-                    recovered, kept = (recovered + 1, kept) if reply[0] == "ok" else (recovered, kept + 1)
+            landed = [reply for reply in replies if not isinstance(reply, BaseException)]
+            ok = sum(1 for reply in landed if reply[0] == "ok")
+            recovered, kept = recovered + ok, kept + len(landed) - ok
             if failed:
                 rest = [self.entries.popleft() for _ in range(todo)]  # their turn had not come
                 self.entries.extendleft(reversed(failed + rest))

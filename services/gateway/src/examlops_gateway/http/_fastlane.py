@@ -32,10 +32,9 @@ from ._deps import caller
 from ._embeddings import serve_embeddings
 from ._pipeline import serve_generation
 from ._protocol import ChatCompletionRequest, CompletionRequest
+from ._span import tracer
 
 Lane = Callable[[Request, GatewayState], Awaitable[Response]]
-
-tracer = trace.get_tracer("examlops.gateway")
 
 
 async def _chat(request: Request, state: GatewayState) -> Response:
