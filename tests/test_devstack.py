@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from examlops_devstack import Proc, StackPorts, spawn
+from examlops_devstack import Proc, StackPorts, free_port, spawn
 from examlops_devstack._up import RunDir, down
 from examlops_testsupport import REPO_ROOT
 from examlops_testsupport.fixtures import ports_free
@@ -138,6 +138,15 @@ def _addresses(ports: StackPorts) -> dict[str, str]:
     return {"EXAMLOPS_GATEWAY_URL": ports.gateway_url, "OPENAI_BASE_URL": ports.gateway_url + "/v1",
             **{f"EXAMLOPS_{name.upper().replace('-', '_')}_ADDR": ports.addr(name)
                for name in ("registry", "launcher", "engine-proxy", "mediaguard")}}
+
+
+def test_free_port_stays_below_the_ephemeral_range_and_never_repeats() -> None:
+    """A port in the ephemeral range can be taken by any outgoing connection before the test's server
+    binds it (a CI run lost four tests to a launcher whose metrics port a Redis client had taken)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < max(low, 20000) for port in ports)
 
 
 def test_exa_dev_env_prints_the_ports_of_the_stack_the_offset_selects(tmp_path: Path) -> None:

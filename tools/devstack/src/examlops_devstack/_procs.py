@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,12 +16,34 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+#: Ports `free_port` handed out in this process: never handed out twice, even before their owner binds.
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A port nothing listens on, below the kernel's ephemeral range: a port from bind(("", 0)) is in
+    that range, so any outgoing connection made before its owner binds (a service dialing Redis) can
+    take it and the owner then fails with EADDRINUSE. Below the range only another listener competes."""
+    low = max(_ephemeral_low(), 20000)
+    for _ in range(1000):
+        port = random.randrange(15000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
         return port
+    raise RuntimeError(f"no free port found in 15000-{low}")
 
 
 #: Set in the environment of every process `spawn` starts and inherited by its children: one way a
