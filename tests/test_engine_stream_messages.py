@@ -17,73 +17,18 @@ import pytest
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.svc import DEFAULT_ADMIN_KEY, error_reason
-from examlops_testsupport._http_stub import StubHandler, ThreadedStub
 from examlops_testsupport.fixtures import Stack, wait_until
-
-MODEL = "scripted"
-PROMPT = 9
-WORDS = [f" w{i}" for i in range(7)]  # with the role chunk: 8 events
-
-
-def vllm_json(obj: dict[str, Any]) -> bytes:
-    """Compact JSON, as vLLM writes its chunks."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def chunk(i: int, text: str, usage: bool = True) -> bytes:
-    """Event i of a chat stream with vLLM's continuous usage (the running usage, last key)."""
-    delta = {"role": "assistant", "content": ""} if i == 0 else {"content": text}
-    obj: dict[str, Any] = {"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
-                           "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                        "finish_reason": "stop" if i == len(WORDS) else None}]}
-    if usage:
-        obj["usage"] = {"prompt_tokens": PROMPT, "total_tokens": PROMPT + i, "completion_tokens": i}
-    return b"data: " + vllm_json(obj) + b"\n\n"
-
-
-EVENTS = [chunk(0, "")] + [chunk(i + 1, w) for i, w in enumerate(WORDS)]
-USAGE_CHUNK = b"data: " + vllm_json({"id": "chatcmpl-s", "object": "chat.completion.chunk", "created": 1,
-                                     "model": MODEL, "choices": [], "usage": {"prompt_tokens": PROMPT,
-                                     "total_tokens": PROMPT + 7, "completion_tokens": 7}}) + b"\n\n"
-DONE = b"data: [DONE]\n\n"
-WHOLE = vllm_json({"id": "chatcmpl-w", "object": "chat.completion", "created": 1, "model": MODEL,
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "whole answer"},
-                                "finish_reason": "stop"}],
-                   "usage": {"prompt_tokens": PROMPT, "completion_tokens": 2, "total_tokens": PROMPT + 2}})
-
-
-class ScriptedServer(ThreadedStub):
-    """POST: a stream of the writes `scripts[<the first message's content>]` lists (a threading.Event
-    is waited for between writes; the last write carries the body's end), or WHOLE without stream;
-    a first message "refuse" gets a 400."""
-
-    def __init__(self) -> None:
-        self.scripts: dict[str, list[bytes | threading.Event]] = {}
-        server = self
-
-        class Handler(StubHandler):
-            def do_GET(self) -> None:
-                self.send_whole(200, b"", None)
-
-            def do_POST(self) -> None:
-                req = self.read_json()
-                name = req["messages"][0]["content"]
-                if name == "refuse":
-                    self.send_whole(400, b'{"error":{"message":"max_tokens is too large"}}', "application/json")
-                    return
-                if not req.get("stream"):
-                    self.send_whole(200, WHOLE, "application/json")
-                    return
-                steps = server.scripts[name]
-                self.start_stream()
-                for n, step in enumerate(steps):
-                    if isinstance(step, threading.Event):
-                        assert step.wait(30), "the test never said go"
-                        continue
-                    frame = b"%x\r\n%s\r\n" % (len(step), step)
-                    self.wfile.write(frame + (b"0\r\n\r\n" if n == len(steps) - 1 else b""))  # one write
-
-        self._listen(Handler, 0)
+from examlops_testsupport.scripted import (
+    DONE,
+    EVENTS,
+    MODEL,
+    PROMPT,
+    USAGE_CHUNK,
+    WHOLE,
+    WORDS,
+    ScriptedServer,
+    stripped,
+)
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +60,6 @@ def request(script: str, stream: bool = True, **options: bool) -> pb.GenerateReq
     if options:
         body["stream_options"] = options
     return pb.GenerateRequest(endpoint=MODEL, kind=pb.REQUEST_KIND_CHAT, body_json=json.dumps(body).encode())
-
-
-def stripped(event: bytes) -> bytes:
-    """The event as a client that did not ask for usage stats gets it (usage removed from the JSON)."""
-    obj = json.loads(event[6:])
-    obj.pop("usage", None)
-    return b"data: " + vllm_json(obj) + b"\n\n"
 
 
 def test_one_read_of_eight_events_is_one_message(scripted: tuple[ScriptedServer, pb_grpc.EngineProxyStub]) -> None:

@@ -50,6 +50,17 @@ class RecordingEngineProxy(ep_grpc.EngineProxyServicer):
         (answer,) = self.Generate(request, context)
         return answer
 
+    def Multiplex(self, requests: Iterator[pb.MultiplexRequest],
+                context: grpc.ServicerContext) -> Iterator[pb.MultiplexReply]:
+        """The gateway's calls on one stream, answered one after the other."""
+        for message in requests:
+            if message.cancel:
+                continue
+            for chunk in self.Generate(message.request, context):
+                yield pb.MultiplexReply(id=message.id, chunk=chunk, end=message.once)
+            if not message.once:
+                yield pb.MultiplexReply(id=message.id, end=True)
+
 
 def _routable(url: str, name: str) -> bool:
     resp = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"})

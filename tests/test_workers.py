@@ -28,6 +28,7 @@ from examlops.svc import DEFAULT_ADMIN_KEY, metrics_dir
 from examlops_devstack import Proc, free_port, service_argv, spawn, wait_grpc
 from examlops_testsupport.fixtures import Stack, running_stack, start_redis, wait_until
 from examlops_testsupport.governance import FAST, check_budget_never_overspent, routes_and_prices_synced
+from examlops_testsupport.workers import children
 
 WORKERS = {"EXAMLOPS_WORKERS": "2"}
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -49,20 +50,6 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             yield stack
     finally:
         redis_server.proc.stop()
-
-
-def children(pid: int) -> set[int]:
-    """The live worker processes whose parent is `pid` (not multiprocessing's resource tracker)."""
-    out = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmdline:
-            out.add(int(stat.parent.name))
-    return out
 
 
 def per_worker(service: str, parent: int, sample: str, **labels: str) -> dict[int, float]:

@@ -77,7 +77,8 @@ async def run(settings: EngineProxySettings, slot: WorkerSlot | None = None) -> 
         await pool.aclose()
         await mg_channel.close()
 
-    await serve_until_signal(server, health, [SERVICE], "engine-proxy", port, on_start=start, on_stop=stop)
+    await serve_until_signal(server, health, [SERVICE], "engine-proxy", port, on_start=start, on_stop=stop,
+                             on_drain=servicer.drain)
 
 
 def run_worker(settings: EngineProxySettings, slot: WorkerSlot) -> None:

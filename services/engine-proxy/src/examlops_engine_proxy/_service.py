@@ -23,6 +23,7 @@ from ._engines import Generation
 from ._errors import EngineError, RouteNotFound, TaskMismatch
 from ._failover import Attempts, generate_over
 from ._media import guard_messages, has_media
+from ._multiplex import Multiplex
 from ._pool import EnginePool
 from ._routing import affinity_key
 from ._settings import EngineProxySettings
@@ -47,6 +48,8 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
         self.table = table
         self.pool = pool
         self.mediaguard = mediaguard
+        self.streams: set[Multiplex] = set()  # the open Multiplex streams
+        self.draining = False
 
     def resolve(self, name: str) -> reg.Endpoint:
         ep = self.table.get(name) or self.pool.pack_endpoint(name)
@@ -101,6 +104,17 @@ class EngineProxyServicer(pb_grpc.EngineProxyServicer):
             await abort(context, exc.code, exc.reason, str(exc), exc.param)
         finally:
             GENERATIONS.labels(request.endpoint, outcome).inc()
+
+    def Multiplex(self, requests: AsyncIterator[pb.MultiplexRequest],
+                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MultiplexReply]:
+        """Generate and GenerateOnce calls multiplexed on one stream (_multiplex)."""
+        return Multiplex(self).replies(requests)
+
+    def drain(self) -> None:
+        """Shutting down: Multiplex streams take no new call and end once their open calls are answered."""
+        self.draining = True
+        for stream in list(self.streams):
+            stream.drain()
 
     async def answer(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                      once: bool = False) -> AsyncIterator[pb.GenerateChunk]:

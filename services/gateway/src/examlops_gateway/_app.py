@@ -41,6 +41,7 @@ from examlops.svc import (
 
 from ._health import RedisPing
 from ._health import router as health_router
+from ._multiplex import EngineMultiplex
 from ._settings import GatewaySettings
 from ._state import GatewayState
 from .cache import CacheBook, CacheStage, SemanticIndex, embed
@@ -113,7 +114,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             redis_ping=RedisPing(settings.store_url),
             key_check=KeyCheck(client, settings.key_check_ttl_s, settings.key_check_cache_size),
             cache=CacheStage(cache_book, client, index, functools.partial(embed, engine_proxy),
-                             settings.cache_embed_timeout_s))
+                             settings.cache_embed_timeout_s),
+            multiplex=EngineMultiplex(channel))
         tasks = [asyncio.create_task(watch_routes(settings.registry_addr, routes, token=token)),
                  asyncio.create_task(follow_prices(registry, prices, settings.price_refresh_s)),
                  asyncio.create_task(reaper.run()), asyncio.create_task(guardrails.follow()),
@@ -130,6 +132,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
                 await asyncio.wait(pending, timeout=5)
             await reaper.leave()
             await index.aclose()
+            app.state.gateway.multiplex.close()
             await channel.close()
             await registry_channel.close()
             for closing in (app.state.gateway.redis_ping, client):

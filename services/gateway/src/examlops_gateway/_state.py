@@ -12,6 +12,7 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
 from examlops.registry.v1 import registry_pb2_grpc as reg_grpc
 from examlops.svc import RouteTable
 
+from ._multiplex import EngineMultiplex
 from ._settings import GatewaySettings
 from .cache import CacheStage
 from .governance import Governor, KeyCheck, PriceBook
@@ -38,3 +39,4 @@ class GatewayState:
     key_check: KeyCheck          # a virtual key is valid before its body is read
     guard: GuardStage            # the guardrail policies in force (refreshed from Redis)
     cache: CacheStage            # the response cache's policies (refreshed from Redis) and semantic index
+    multiplex: EngineMultiplex    # the hot path's calls to engine-proxy (Multiplex streams on `channel`)

@@ -72,8 +72,10 @@ async def serve_until_signal(
     on_start: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace_s: float = 5.0,
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
-    """Start, mark SERVING, wait for SIGTERM/SIGINT, then drain in-flight calls and stop."""
+    """Start, mark SERVING, wait for SIGTERM/SIGINT, then drain in-flight calls and stop (`on_drain`
+    is told first: long-lived streams that take new calls stop taking them)."""
     await server.start()
     if on_start is not None:
         await on_start()
@@ -89,6 +91,8 @@ async def serve_until_signal(
     await stop.wait()
     log.info("%s shutting down", name)
     await health_servicer.enter_graceful_shutdown()
+    if on_drain is not None:
+        on_drain()
     await server.stop(grace_s)
     if on_stop is not None:
         await on_stop()

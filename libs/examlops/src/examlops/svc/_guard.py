@@ -36,8 +36,10 @@ RPC_SECONDS = Histogram(
 RPC_TOTAL = Counter("examlops_grpc_server_handled_total", "gRPC calls handled.", ["method", "code"])
 UNKNOWN_METHODS = RPC_TOTAL.labels("unknown", "STARTED")
 
-#: Calls that get no span: probes and reflection would bury the traces of real work.
-UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+#: Calls that get no span: probes and reflection would bury the traces of real work; engine-proxy's
+#: Multiplex carries many calls, each of which gets a span of its own there (one span as long as the
+#: stream would hide them).
+UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/examlops.engine_proxy.v1.EngineProxy/Multiplex")
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Any]
 

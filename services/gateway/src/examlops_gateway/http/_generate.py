@@ -114,10 +114,7 @@ async def generate(state: GatewayState, kind: int, ticket: Ticket, checked: Chec
     span = GenerationSpan(kind, ticket, ep, req)
     stream, timeout = ticket.stream, state.settings.request_timeout_s
     with span.active():  # engine-proxy's call (and the engine's) are the span's children
-        if stream:
-            call = state.engine_proxy.Generate(request, timeout=timeout)
-        else:
-            call = state.engine_proxy.GenerateOnce(request, timeout=timeout)
+        call: Any = state.multiplex.call(request, once=not stream, timeout=timeout)
     if guard is not None and stream:
         call = GuardedCall(call, guard, ticket)  # output guardrail: the chunks are read through it
     start = time.perf_counter()

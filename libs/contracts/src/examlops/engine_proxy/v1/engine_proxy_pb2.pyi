@@ -145,3 +145,50 @@ class ListRoutesResponse(_message.Message):
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     routes: _containers.RepeatedCompositeFieldContainer[Route]
     def __init__(self, routes: _Optional[_Iterable[_Union[Route, _Mapping]]] = ...) -> None: ...
+
+class MultiplexRequest(_message.Message):
+    __slots__ = ("id", "request", "once", "timeout_ms", "trace", "cancel")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ONCE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: GenerateRequest
+    once: bool
+    timeout_ms: int
+    trace: _containers.ScalarMap[str, str]
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., once: _Optional[bool] = ..., timeout_ms: _Optional[int] = ..., trace: _Optional[_Mapping[str, str]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class MultiplexReply(_message.Message):
+    __slots__ = ("id", "chunk", "end", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    chunk: GenerateChunk
+    end: bool
+    error: MultiplexError
+    def __init__(self, id: _Optional[int] = ..., chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., end: _Optional[bool] = ..., error: _Optional[_Union[MultiplexError, _Mapping]] = ...) -> None: ...
+
+class MultiplexError(_message.Message):
+    __slots__ = ("code", "reason", "message", "param")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    message: str
+    param: str
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...

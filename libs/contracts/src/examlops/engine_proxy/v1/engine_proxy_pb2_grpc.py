@@ -45,6 +45,11 @@ class EngineProxyStub:
                 request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Multiplex = channel.stream_stream(
+                '/examlops.engine_proxy.v1.EngineProxy/Multiplex',
+                request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.MultiplexRequest.SerializeToString,
+                response_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.MultiplexReply.FromString,
+                _registered_method=True)
         self.ListRoutes = channel.unary_unary(
                 '/examlops.engine_proxy.v1.EngineProxy/ListRoutes',
                 request_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.ListRoutesRequest.SerializeToString,
@@ -72,6 +77,15 @@ class EngineProxyServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Multiplex(self, request_iterator, context):
+        """Many Generate and GenerateOnce calls over one long-lived stream: the gateway's hot path. A call
+        costs its setup on both sides (about 0.2 ms of a core each way); a message on an open stream a
+        fraction of it. Requests and answers are told apart by id; see MultiplexRequest and MultiplexReply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListRoutes(self, request, context):
         """The route table this replica holds (from the registry watch).
         """
@@ -91,6 +105,11 @@ def add_EngineProxyServicer_to_server(servicer, server):
                     servicer.GenerateOnce,
                     request_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.FromString,
                     response_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.MultiplexRequest.FromString,
+                    response_serializer=examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.MultiplexReply.SerializeToString,
             ),
             'ListRoutes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRoutes,
@@ -152,6 +171,33 @@ class EngineProxy:
             '/examlops.engine_proxy.v1.EngineProxy/GenerateOnce',
             examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateRequest.SerializeToString,
             examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/examlops.engine_proxy.v1.EngineProxy/Multiplex',
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.MultiplexRequest.SerializeToString,
+            examlops_dot_engine__proxy_dot_v1_dot_engine__proxy__pb2.MultiplexReply.FromString,
             options,
             channel_credentials,
             insecure,
