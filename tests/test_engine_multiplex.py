@@ -1,65 +1,48 @@
 """engine-proxy's Multiplex: many Generate / GenerateOnce calls on one stream, told apart by id, each
 answered as its own call would be (chunks, end, or its error with code, reason and param); a cancel
-stops one call, a deadline ends one call, the end of the caller's side lets open calls finish.
-Driven with a real engine-proxy and the scripted vllm-server of test_engine_stream_messages."""
+stops one call, a deadline ends one call, the end of the caller's side lets open calls finish, and a
+draining engine-proxy refuses new calls and ends the stream once open ones are answered. Driven with
+a real engine-proxy and a scripted vllm-server (examlops_testsupport.scripted). The gateway's side
+is tested in services/gateway/tests/test_multiplex.py."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import json
-import os
 import queue
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
-from examlops.svc import blocking_channel, error_reason, insecure_channel
-from examlops_devstack import Proc, free_port, service_argv, spawn, wait_grpc
-from examlops_gateway import _multiplex as multiplex
-from examlops_gateway._multiplex import EngineMultiplex, MultiplexCall
+from examlops.svc import blocking_channel, error_reason
+from examlops_devstack import free_port, wait_grpc
 from examlops_testsupport.fixtures import Stack, wait_until
-from examlops_testsupport.scripted import DONE, EVENTS, WHOLE, ScriptedServer, stripped
-from examlops_testsupport.workers import children, holding_connection
+from examlops_testsupport.scripted import (
+    DONE,
+    EVENTS,
+    WHOLE,
+    ScriptedServer,
+    chat_request,
+    routed,
+    scripted_route,
+    stripped,
+)
+from examlops_testsupport.workers import start_engine_proxy
 
 MODEL = "scripted-mux"
 Scripted = tuple[ScriptedServer, pb_grpc.EngineProxyStub]
-
-
-def request(script: str, stream: bool = True) -> pb.GenerateRequest:
-    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": script}], "stream": stream}
-    return pb.GenerateRequest(endpoint=MODEL, kind=pb.REQUEST_KIND_CHAT, body_json=json.dumps(body).encode())
-
-
-def _routed(stub: pb_grpc.EngineProxyStub) -> bool:
-    try:
-        stub.GenerateOnce(request("whole", stream=False), timeout=10)
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
-            return False
-        raise
-    return True
+request = functools.partial(chat_request, MODEL)
 
 
 @pytest.fixture(scope="module")
 def scripted(stack: Stack) -> Iterator[Scripted]:
-    server = ScriptedServer()
-    server.scripts["ping"] = [b"".join(EVENTS) + DONE]
-    stack.register(MODEL, engine="vllm-server", base_url=server.url,
-                   engine_block_json=json.dumps({"engine": "vllm", "hf_model_id": "org/m"}))
-    stub = pb_grpc.EngineProxyStub(stack.channel("engine-proxy"))
-    wait_until(lambda: _routed(stub), 10, what="engine-proxy routes the scripted server")
-    try:
-        yield server, stub
-    finally:
-        server.close()
+    with scripted_route(stack, MODEL) as parts:
+        yield parts
 
 
 class Mux:
@@ -124,11 +107,12 @@ def test_calls_interleave_on_one_stream_and_each_gets_its_own_answer(scripted: S
     mux.send(3, request("ping"))
     streamed = mux.until_end(3)
     assert b"".join(r.chunk.sse for r in streamed) == b"".join(stripped(e) for e in EVENTS)
-    assert streamed[-1].end and not streamed[-1].HasField("chunk") and streamed[-2].chunk.final
+    assert [r.end for r in streamed] == [False] * (len(streamed) - 1) + [True]
+    assert streamed[-1].chunk.final  # the final chunk's message ends the call
     go.set()
     rest = mux.until_end(1)
     assert b"".join(r.chunk.sse for r in rest) == b"".join(stripped(e) for e in EVENTS[1:])
-    assert rest[-2].chunk.usage.completion_tokens == 7
+    assert rest[-1].chunk.final and rest[-1].chunk.usage.completion_tokens == 7
 
 
 def test_a_call_s_error_is_the_status_its_own_call_would_end_with(scripted: Scripted, mux: Mux) -> None:
@@ -192,114 +176,20 @@ def test_closing_the_caller_s_side_lets_open_calls_finish(scripted: Scripted, st
     assert mux.next() is None  # then the stream ends, OK
 
 
-# The gateway's side (examlops_gateway._multiplex), on the same real engine-proxy.
 
-def _gateway_mux(stack: Stack) -> tuple[grpc.aio.Channel, EngineMultiplex]:
-    channel = insecure_channel(stack.ports.addr("engine-proxy"), stack.tokens.operator_token)
-    return channel, EngineMultiplex(channel)
-
-
-def test_the_gateway_opens_a_new_stream_after_rotate_s_and_closes_the_old_one_once_answered(
-        scripted: Scripted, stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
-    server, _ = scripted
-    go = threading.Event()
-    server.scripts["held"] = [EVENTS[0], go, b"".join(EVENTS[1:]) + DONE]
-
-    async def run() -> None:
-        channel, mux = _gateway_mux(stack)
-        held = mux.call(request("held"), once=False, timeout=30)
-        assert (await held.read()).sse == stripped(EVENTS[0])
-        first = mux.current
-        monkeypatch.setattr(multiplex, "ROTATE_S", 0.0)
-        for _ in range(3):  # each call on a new stream; the old ones close as their calls end
-            answer = await mux.call(request("whole", stream=False), once=True, timeout=30)
-            assert answer.data == WHOLE
-        assert mux.current is not first and first in mux.streams  # first still has `held`
-        go.set()
-        rest = [chunk async for chunk in _chunks(held)]
-        assert b"".join(c.sse for c in rest) == b"".join(stripped(e) for e in EVENTS[1:]) and rest[-1].final
-        for _ in range(500):  # engine-proxy ends each retired stream once we closed our side
-            if mux.streams == {mux.current}:
-                break
-            await asyncio.sleep(0.01)
-        assert mux.streams == {mux.current}
-        mux.close()
-        await channel.close()
-
-    asyncio.run(run())
-
-
-def test_a_gateway_call_cancelled_or_past_its_deadline_ends_and_the_session_goes_on(
-        scripted: Scripted, stack: Stack) -> None:
-    server, _ = scripted
-    never = threading.Event()
-    server.scripts["stuck"] = [EVENTS[0], never, DONE]
-
-    async def run() -> None:
-        channel, mux = _gateway_mux(stack)
-        stuck = mux.call(request("stuck"), once=False, timeout=30)
-        assert (await stuck.read()).sse == stripped(EVENTS[0])
-        assert stuck.cancel() and not stuck.cancel()
-        with pytest.raises(grpc.aio.AioRpcError) as cancelled:
-            await stuck.read()
-        assert cancelled.value.code() == grpc.StatusCode.CANCELLED
-        late = mux.call(request("stuck"), once=False, timeout=0.5)
-        await late.read()
-        with pytest.raises(grpc.aio.AioRpcError) as expired:
-            await late.read()
-        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        missing = pb.GenerateRequest(endpoint="no-such-route", kind=pb.REQUEST_KIND_CHAT, body_json=b"{}")
-        with pytest.raises(grpc.aio.AioRpcError) as unknown:
-            await mux.call(missing, once=True, timeout=30)
-        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and error_reason(unknown.value)[1] == "model"
-        assert (await mux.call(request("whole", stream=False), once=True, timeout=30)).data == WHOLE
-        assert len(mux.streams) == 1
-        mux.close()
-        await channel.close()
-
-    asyncio.run(run())
-    never.set()
-
-
-def test_a_gateway_call_to_an_engine_proxy_that_is_down_fails_unavailable_and_the_next_opens_a_new_stream() -> None:
-    async def run() -> None:
-        channel = insecure_channel(f"127.0.0.1:{free_port()}", "token")
-        mux = EngineMultiplex(channel)
-        for _ in range(2):
-            with pytest.raises(grpc.aio.AioRpcError) as down:
-                await mux.call(request("whole", stream=False), once=True, timeout=5)
-            assert down.value.code() == grpc.StatusCode.UNAVAILABLE
-        mux.close()
-        await channel.close()
-
-    asyncio.run(run())
-
-
-async def _chunks(call: MultiplexCall) -> AsyncIterator[pb.GenerateChunk]:
-    while (chunk := await call.read()) is not grpc.aio.EOF:
-        yield chunk
-
-
-# Draining: a stopping engine-proxy (or one of its workers) takes no new call on an open stream.
-
-def _start_engine_proxy(stack: Stack, name: str, workers: int = 1) -> tuple[Proc, str]:
-    port = free_port()
-    env = {**stack.env("engine-proxy"), "EXAMLOPS_PORT": str(port), "EXAMLOPS_METRICS_PORT": str(free_port()),
-           "EXAMLOPS_WORKERS": str(workers)}
-    proc = spawn(name, service_argv("engine-proxy"), env, stack.workdir / f"{name}.log")
-    wait_grpc(f"127.0.0.1:{port}", 30, proc)
-    return proc, f"127.0.0.1:{port}"
-
+# Draining: a stopping engine-proxy takes no new call on an open stream.
 
 def test_a_draining_engine_proxy_refuses_new_calls_on_a_stream_and_ends_it_once_open_calls_are_answered(
         scripted: Scripted, stack: Stack) -> None:
     server, _ = scripted
     go = threading.Event()
     server.scripts["held"] = [EVENTS[0], go, b"".join(EVENTS[1:]) + DONE]
-    proc, addr = _start_engine_proxy(stack, "ep-drain")
+    port = free_port()
+    proc = start_engine_proxy(stack, "ep-drain", port, free_port(), workers=1)
     try:
-        stub = pb_grpc.EngineProxyStub(blocking_channel(addr, stack.tokens.operator_token))
-        wait_until(lambda: _routed(stub), 10, what="the new engine-proxy routes the scripted server")
+        wait_grpc(f"127.0.0.1:{port}", 30, proc)
+        stub = pb_grpc.EngineProxyStub(blocking_channel(f"127.0.0.1:{port}", stack.tokens.operator_token))
+        wait_until(functools.partial(routed, stub, MODEL), 10, what="the new engine-proxy routes the scripted server")
         mux = Mux(stub)
         mux.send(1, request("held"))
         assert mux.next().id == 1  # type: ignore[union-attr]
@@ -314,43 +204,6 @@ def test_a_draining_engine_proxy_refuses_new_calls_on_a_stream_and_ends_it_once_
         assert mux.until_end(1)[-1].end  # the open call is answered whole
         assert mux.next() is None  # then the stream ends, OK
         assert proc.popen.wait(timeout=30) == 0
-    finally:
-        go.set()
-        proc.stop()
-
-
-def test_a_gateway_call_a_draining_worker_refuses_is_sent_again_and_answered_by_another(
-        scripted: Scripted, stack: Stack) -> None:
-    server, _ = scripted
-    go = threading.Event()
-    server.scripts["held"] = [EVENTS[0], go, b"".join(EVENTS[1:]) + DONE]
-    proc, addr = _start_engine_proxy(stack, "ep-drain-workers", workers=2)
-    port = int(addr.rsplit(":", 1)[1])
-
-    async def run() -> None:
-        channel = insecure_channel(addr, stack.tokens.operator_token)
-        mux = EngineMultiplex(channel)
-        held = mux.call(request("held"), once=False, timeout=30)
-        assert (await held.read()).sse == stripped(EVENTS[0])
-        (worker,) = holding_connection(children(proc.pid), port)  # the worker our stream is on
-        os.kill(worker, signal.SIGTERM)
-        await asyncio.sleep(0.5)  # it drains: new calls on our stream are refused
-        answer = await mux.call(request("whole", stream=False), once=True, timeout=30)
-        assert answer.data == WHOLE  # sent again on a new stream, which the other worker took
-        assert holding_connection(children(proc.pid), port) - {worker}
-        go.set()
-        rest = [chunk async for chunk in _chunks(held)]
-        assert rest[-1].final  # the draining worker answered its open call whole
-        mux.close()
-        await channel.close()
-
-    try:
-        wait_until(lambda: "2 workers serving" in proc.log_tail(), 30, what="both workers serving")
-        for _ in range(4):  # each worker follows the registry on its own: a few calls reach both
-            with blocking_channel(addr, stack.tokens.operator_token) as checking:  # closed: one connection left
-                stub = pb_grpc.EngineProxyStub(checking)
-                wait_until(functools.partial(_routed, stub), 10, what="the workers route the scripted server")
-        asyncio.run(run())
     finally:
         go.set()
         proc.stop()

@@ -25,10 +25,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from examlops.svc import DEFAULT_ADMIN_KEY, metrics_dir
-from examlops_devstack import Proc, free_port, service_argv, spawn, wait_grpc
+from examlops_devstack import free_port, wait_grpc
 from examlops_testsupport.fixtures import Stack, running_stack, start_redis, wait_until
 from examlops_testsupport.governance import FAST, check_budget_never_overspent, routes_and_prices_synced
-from examlops_testsupport.workers import children
+from examlops_testsupport.workers import children, start_engine_proxy
 
 WORKERS = {"EXAMLOPS_WORKERS": "2"}
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -142,12 +142,6 @@ def test_engine_proxy_workers_answer_health_and_sum_their_metrics(two_workers: S
     for i in range(5):
         chat(stack.gateway_url, i)
     assert scraped(metrics_url, "examlops_engine_generations_total") - generations == 5
-
-
-def start_engine_proxy(stack: Stack, name: str, port: int, metrics_port: int) -> Proc:
-    env = {**stack.env("engine-proxy"), **WORKERS, "EXAMLOPS_PORT": str(port),
-           "EXAMLOPS_METRICS_PORT": str(metrics_port)}
-    return spawn(name, service_argv("engine-proxy"), env, stack.workdir / f"{name}.log")
 
 
 def test_engine_proxy_replaces_a_dead_worker_and_sigterm_stops_them_all(two_workers: Stack) -> None:

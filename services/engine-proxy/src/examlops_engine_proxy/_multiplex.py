@@ -130,10 +130,13 @@ class Multiplex:
                         chunk = await self.servicer.GenerateOnce(message.request, context)
                         self.out.put_nowait(pb.MultiplexReply(id=call, chunk=chunk, end=True))
                         return
+                    ended = False  # the final chunk ends the answer: its message says so (one message less)
                     async with contextlib.aclosing(self.servicer.Generate(message.request, context)) as chunks:
                         async for chunk in chunks:
-                            self.out.put_nowait(pb.MultiplexReply(id=call, chunk=chunk))
-                    self.out.put_nowait(pb.MultiplexReply(id=call, end=True))
+                            ended = chunk.final
+                            self.out.put_nowait(pb.MultiplexReply(id=call, chunk=chunk, end=ended))
+                    if not ended:
+                        self.out.put_nowait(pb.MultiplexReply(id=call, end=True))
         except _Aborted as exc:
             self.out.put_nowait(pb.MultiplexReply(id=call, error=exc.error))
         except TimeoutError:

@@ -4,11 +4,19 @@ of engine-proxy's carried."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import threading
+from collections.abc import Iterator
 from typing import Any
 
+import grpc
+
+from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
+from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops_testsupport._http_stub import StubHandler, ThreadedStub
+from examlops_testsupport.fixtures import Stack, wait_until
 
 MODEL = "scripted"
 PROMPT = 9
@@ -81,3 +89,35 @@ def stripped(event: bytes) -> bytes:
     obj = json.loads(event[6:])
     obj.pop("usage", None)
     return b"data: " + vllm_json(obj) + b"\n\n"
+
+
+def chat_request(model: str, script: str, stream: bool = True) -> pb.GenerateRequest:
+    """engine-proxy's request for a chat whose first message names the script to play."""
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": script}], "stream": stream}
+    return pb.GenerateRequest(endpoint=model, kind=pb.REQUEST_KIND_CHAT, body_json=json.dumps(body).encode())
+
+
+def routed(stub: pb_grpc.EngineProxyStub, model: str) -> bool:
+    """Whether engine-proxy routes `model` yet (a whole answer comes back; NOT_FOUND: not yet)."""
+    try:
+        stub.GenerateOnce(chat_request(model, "whole", stream=False), timeout=10)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+            return False
+        raise
+    return True
+
+
+@contextlib.contextmanager
+def scripted_route(stack: Stack, model: str) -> Iterator[tuple[ScriptedServer, pb_grpc.EngineProxyStub]]:
+    """A ScriptedServer registered as vllm-server endpoint `model`, once the stack's engine-proxy routes it."""
+    server = ScriptedServer()
+    server.scripts["ping"] = [b"".join(EVENTS) + DONE]
+    stack.register(model, engine="vllm-server", base_url=server.url,
+                   engine_block_json=json.dumps({"engine": "vllm", "hf_model_id": "org/m"}))
+    stub = pb_grpc.EngineProxyStub(stack.channel("engine-proxy"))
+    wait_until(functools.partial(routed, stub, model), 10, what=f"engine-proxy routes {model}")
+    try:
+        yield server, stub
+    finally:
+        server.close()

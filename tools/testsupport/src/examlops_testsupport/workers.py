@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from examlops_devstack import Proc, service_argv, spawn
+from examlops_testsupport.fixtures import Stack
+
 
 def children(pid: int) -> set[int]:
     """The live worker processes whose parent is `pid` (not multiprocessing's resource tracker)."""
@@ -42,3 +45,10 @@ def holding_connection(pids: set[int], port: int) -> set[int]:
             except OSError:
                 continue
     return holders
+
+
+def start_engine_proxy(stack: Stack, name: str, port: int, metrics_port: int, workers: int = 2) -> Proc:
+    """Another engine-proxy of `stack` on `port`, as `workers` worker processes (not waited for)."""
+    env = {**stack.env("engine-proxy"), "EXAMLOPS_WORKERS": str(workers), "EXAMLOPS_PORT": str(port),
+           "EXAMLOPS_METRICS_PORT": str(metrics_port)}
+    return spawn(name, service_argv("engine-proxy"), env, stack.workdir / f"{name}.log")
