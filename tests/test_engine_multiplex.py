@@ -22,27 +22,11 @@ from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
 from examlops.svc import blocking_channel, error_reason
 from examlops_devstack import free_port, wait_grpc
 from examlops_testsupport.fixtures import Stack, wait_until
-from examlops_testsupport.scripted import (
-    DONE,
-    EVENTS,
-    WHOLE,
-    ScriptedServer,
-    chat_request,
-    routed,
-    scripted_route,
-    stripped,
-)
+from examlops_testsupport.scripted import DONE, EVENTS, WHOLE, Scripted, module_route, routed, stripped
 from examlops_testsupport.workers import start_engine_proxy
 
 MODEL = "scripted-mux"
-Scripted = tuple[ScriptedServer, pb_grpc.EngineProxyStub]
-request = functools.partial(chat_request, MODEL)
-
-
-@pytest.fixture(scope="module")
-def scripted(stack: Stack) -> Iterator[Scripted]:
-    with scripted_route(stack, MODEL) as parts:
-        yield parts
+request, scripted = module_route(MODEL)
 
 
 class Mux:

@@ -10,7 +10,7 @@ import functools
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -22,27 +22,11 @@ from examlops_devstack import free_port, wait_grpc
 from examlops_gateway import _multiplex as multiplex
 from examlops_gateway._multiplex import EngineMultiplex, MultiplexCall
 from examlops_testsupport.fixtures import Stack, wait_until
-from examlops_testsupport.scripted import (
-    DONE,
-    EVENTS,
-    WHOLE,
-    ScriptedServer,
-    chat_request,
-    routed,
-    scripted_route,
-    stripped,
-)
+from examlops_testsupport.scripted import DONE, EVENTS, WHOLE, Scripted, module_route, routed, stripped
 from examlops_testsupport.workers import children, holding_connection, start_engine_proxy
 
 MODEL = "scripted-gateway-mux"
-Scripted = tuple[ScriptedServer, pb_grpc.EngineProxyStub]
-request = functools.partial(chat_request, MODEL)
-
-
-@pytest.fixture(scope="module")
-def scripted(stack: Stack) -> Iterator[Scripted]:
-    with scripted_route(stack, MODEL) as parts:
-        yield parts
+request, scripted = module_route(MODEL)
 
 
 def _gateway_mux(stack: Stack) -> tuple[grpc.aio.Channel, EngineMultiplex]:

@@ -8,10 +8,11 @@ import contextlib
 import functools
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import pytest
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as pb_grpc
@@ -121,3 +122,17 @@ def scripted_route(stack: Stack, model: str) -> Iterator[tuple[ScriptedServer, p
         yield server, stub
     finally:
         server.close()
+
+
+#: What a module's `scripted` fixture gives: the server, and a stub of the stack's engine-proxy.
+Scripted = tuple[ScriptedServer, pb_grpc.EngineProxyStub]
+
+
+def module_route(model: str) -> tuple[Callable[..., pb.GenerateRequest], Any]:
+    """For a test module: its requests to `model` (chat_request's), and a module-scoped `scripted`
+    fixture that is scripted_route(stack, model)."""
+    @pytest.fixture(scope="module")
+    def scripted(stack: Stack) -> Iterator[Scripted]:
+        with scripted_route(stack, model) as parts:
+            yield parts
+    return functools.partial(chat_request, model), scripted
