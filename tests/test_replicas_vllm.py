@@ -29,7 +29,9 @@ from examlops_devstack import Proc
 from examlops_testsupport.fixtures import Stack, free_port, wait_until
 from examlops_testsupport.vllm import smol_block, start_vllm
 
-pytestmark = pytest.mark.vllm
+# The first test's time includes starting both vLLM servers (140-160 s on a busy 2-core machine), and the
+# prefix test then streams 160 requests with ~1,000-token prompts (~145 s): 281 s of the default 300 here.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 TOPICS_A = ["astronomy", "baking", "chess", "dentistry", "economics", "forestry", "geology", "hydraulics"]
 TOPICS_B = ["irrigation", "journalism", "knitting", "linguistics", "metallurgy", "navigation", "optics",
