@@ -187,6 +187,7 @@ def test_a_draining_engine_proxy_refuses_new_calls_on_a_stream_and_ends_it_once_
         go.set()
         assert mux.until_end(1)[-1].end  # the open call is answered whole
         assert mux.next() is None  # then the stream ends, OK
+        mux.close()
         assert proc.popen.wait(timeout=30) == 0
     finally:
         go.set()
