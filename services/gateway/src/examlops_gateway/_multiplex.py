@@ -101,7 +101,7 @@ class _Stream:
                 await self.call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             self.retired = True
-            if call is not None and not call.resend():
+            if call is not None and call.stream is self and not call.resend():  # (not one resent meanwhile)
                 call.fail(exc if isinstance(exc, grpc.aio.AioRpcError) else
                           self.broken or _rpc_error(grpc.StatusCode.UNAVAILABLE, "engine-proxy's stream ended"))
 
