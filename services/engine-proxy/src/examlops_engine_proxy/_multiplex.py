@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2 as pb
-from examlops.svc import PARAM_KEY, REASON_KEY, tracing_enabled
+from examlops.svc import PARAM_KEY, REASON_KEY, server_span, tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,7 @@ class _CallSpan:
 
     def __enter__(self) -> None:
         rpc = "GenerateOnce" if self.message.once else "Generate"
-        self.scope = self.tracer.start_as_current_span(
-            f"{_SERVICE}/{rpc}", context=propagate.extract(dict(self.message.trace)), kind=trace.SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": _SERVICE, "rpc.method": rpc})
+        self.scope = server_span(self.tracer, f"/{_SERVICE}/{rpc}", dict(self.message.trace))
         self.scope.__enter__()
 
     def __exit__(self, *exc: Any) -> None:

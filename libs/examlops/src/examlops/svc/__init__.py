@@ -26,6 +26,7 @@ from ._grpc import (
     insecure_channel,
     serve_until_signal,
 )
+from ._guard import server_span
 from ._logging import configure_logging
 from ._metrics import metrics_dir, metrics_registry, multiprocess_enabled, multiprocess_metrics, serve_metrics
 from ._redact import redact, redact_setting
@@ -132,6 +133,7 @@ __all__ = [
     "serve_metrics",
     "serve_until_signal",
     "server_auth",
+    "server_span",
     "settings_error_lines",
     "setup_tracing",
     "shutdown_tracing",

@@ -134,14 +134,18 @@ def _streaming(inner: Handler, counts: _Counts, auth: ServerAuth | None) -> Hand
     return call
 
 
-def _traced(call: Handler, method: str, tracer: trace.Tracer, streaming: bool) -> Handler:
+def server_span(tracer: trace.Tracer, method: str, carrier: dict[str, Any]) -> Any:
+    """The SERVER span of a call of `method` (/package.Service/Rpc), child of the trace context in
+    `carrier` (a call's metadata; a Multiplex call's trace field), current while it is open."""
     name = method.lstrip("/")
     service, _, rpc = name.rpartition("/")
-    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc}
+    return tracer.start_as_current_span(name, context=propagate.extract(carrier), kind=trace.SpanKind.SERVER,
+                                        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc})
 
+
+def _traced(call: Handler, method: str, tracer: trace.Tracer, streaming: bool) -> Handler:
     def span(context: grpc.aio.ServicerContext) -> Any:
-        parent = propagate.extract(dict(context.invocation_metadata() or ()))
-        return tracer.start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+        return server_span(tracer, method, dict(context.invocation_metadata() or ()))
 
     def ended(s: trace.Span, context: grpc.aio.ServicerContext) -> None:
         code = context.code()
