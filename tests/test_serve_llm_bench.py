@@ -4,11 +4,14 @@ What "agrees with vLLM" compares, over the same window (vLLM's /metrics read jus
 after one bench run, nothing else generating on that server meanwhile):
 - output tokens: the bench's total (each stream's usage) equals the delta of
   vllm:generation_tokens_total exactly, and TTFT was observed for exactly the bench's requests;
-- mean TTFT: the bench's client-side mean against vLLM's delta of
-  vllm:time_to_first_token_seconds_sum / _count, within 10%. vLLM times from the request's arrival
-  in its engine (after the HTTP parse, chat template and tokenization) to the first token; the bench
-  adds those, the network and the SSE delivery (--direct), plus the gateway and engine-proxy hops
-  through the gateway: the added milliseconds are printed;
+- mean TTFT: vLLM times both its TTFT (vllm:time_to_first_token_seconds) and its end-to-end latency
+  (vllm:e2e_request_latency_seconds) from the request's arrival in its engine, after the HTTP parse,
+  chat template and tokenization. The bench's clock starts before all of that, so its mean TTFT is at
+  least vLLM's, and the milliseconds it adds in front are the same for both measures: bench TTFT minus
+  vLLM's TTFT equals bench latency minus vLLM's end-to-end latency, within 10% of vLLM's TTFT (the
+  rest is the first and the last token's delivery). How large that front part is depends on how busy
+  the machine's cores are (on a shared 2-core runner it was 25% of vLLM's TTFT), so it is printed,
+  not bounded;
 - output tokens/s: the bench's (its tokens over its wall time) against vLLM's generation_tokens
   delta over vLLM's busy window, within 10%. That window is seen by sampling /metrics every 0.1 s
   from this process (an independent clock; its ends are known to ±0.05 s): from the first wave's
@@ -69,7 +72,8 @@ def vllm_counters(url: str) -> dict[str, float]:
     wanted = {"vllm:time_to_first_token_seconds_sum": "ttft_sum", "vllm:time_to_first_token_seconds_count": "ttft_n",
               "vllm:generation_tokens_total": "tokens", "vllm:inter_token_latency_seconds_sum": "itl_sum",
               "vllm:inter_token_latency_seconds_count": "itl_n", "vllm:prefix_cache_hits_total": "hits",
-              "vllm:prefix_cache_queries_total": "queries"}
+              "vllm:prefix_cache_queries_total": "queries", "vllm:e2e_request_latency_seconds_sum": "e2e_sum",
+              "vllm:e2e_request_latency_seconds_count": "e2e_n"}
     out = dict.fromkeys(wanted.values(), 0.0)
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for sample in family.samples:
@@ -117,7 +121,8 @@ def bench_against_vllm(stack: Stack, url: str, *args: str) -> tuple[dict[str, An
     delta = {k: after[k] - before[k] for k in after}
     vllm = {"requests": delta["ttft_n"], "tokens": delta["tokens"],
             "ttft_mean_ms": delta["ttft_sum"] / delta["ttft_n"] * 1e3,
-            "itl_mean_ms": delta["itl_sum"] / delta["itl_n"] * 1e3, "window_s": seconds,
+            "itl_mean_ms": delta["itl_sum"] / delta["itl_n"] * 1e3,
+            "e2e_mean_ms": delta["e2e_sum"] / delta["e2e_n"] * 1e3, "window_s": seconds,
             "tokens_per_s": delta["tokens"] / seconds}
     return json.loads(out.stdout), vllm, out.stderr
 
@@ -130,7 +135,11 @@ def compare(label: str, report: dict[str, Any], vllm: dict[str, float]) -> None:
           f"{report['output_tokens']} vs {vllm['tokens']:.0f} tokens")
     assert report["completed"] == REQUESTS and report["failed"] == 0 and vllm["requests"] == REQUESTS
     assert report["output_tokens"] == vllm["tokens"] == REQUESTS * MAX_TOKENS  # ignore_eos: exactly --max-tokens each
-    assert report["ttft_ms"]["mean"] == pytest.approx(vllm["ttft_mean_ms"], rel=0.10)
+    front = report["ttft_ms"]["mean"] - vllm["ttft_mean_ms"]  # before vLLM's clock starts, seen by the first token
+    front_of_latency = report["latency_ms"]["mean"] - vllm["e2e_mean_ms"]  # the same, seen by the last one
+    print(f"{label}: added in front of vLLM's clock {front:.1f} ms by TTFT, {front_of_latency:.1f} ms by latency")
+    assert front >= -1.0  # vLLM's interval lies inside the bench's (1 ms for the two clocks' rounding)
+    assert front == pytest.approx(front_of_latency, abs=0.10 * vllm["ttft_mean_ms"])
     assert report["output_tokens_per_s"] == pytest.approx(vllm["tokens_per_s"], rel=0.10)
 
 
