@@ -45,7 +45,7 @@ from ._multiplex import EngineMultiplex
 from ._settings import GatewaySettings
 from ._state import GatewayState
 from .cache import CacheBook, CacheStage, SemanticIndex, embed
-from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices
+from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices, pipe_for
 from .guardrails import GuardrailBook, GuardStage, engine_proxy_ask
 from .http import (
     FastLaneApp,
@@ -95,7 +95,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         registry = reg_grpc.RegistryStub(registry_channel)
         prices = PriceBook()
         engine_proxy = ep_grpc.EngineProxyStub(channel)
-        governor = Governor(settings, client, prices, replica_id, routes)
+        pipe = pipe_for(settings.store_url)  # reserve and settle on one pipelined connection
+        governor = Governor(settings, client, prices, replica_id, routes, pipe=pipe)
         reaper = Reaper(client, settings, replica_id, governor.watch)
         await reaper.start()  # alive before the first reservation; a warning if the store has no AOF
         guardrails = GuardrailBook(client, engine_proxy_ask(engine_proxy, governor), settings.guardrail_refresh_s)
@@ -131,6 +132,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             if pending:
                 await asyncio.wait(pending, timeout=5)
             await reaper.leave()
+            if pipe is not None:
+                await pipe.close()
             await index.aclose()
             app.state.gateway.multiplex.close()
             await channel.close()

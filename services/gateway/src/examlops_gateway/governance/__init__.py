@@ -23,6 +23,7 @@ from ._keys import (
                     public_row,
                     redis_keys,
 )
+from ._pipe import ScriptPipe, pipe_for
 from ._prices import MICRO, Price, PriceBook, Rates, cost_micro_usd, follow_prices, usd_to_micro
 from ._provider import CallCost, CostProvider, ProviderError, gpus_of, resolve
 from ._reaper import Reaper
@@ -31,8 +32,8 @@ from ._scripts import Admission, ReserveArgs, SettleArgs, load_script, script_so
 __all__ = [
     "ADMIN_ID", "GROUPS", "ID_LEN", "KEY_INDEX", "MICRO", "MODEL_RE", "Admission", "CallCost", "Caller",
     "CostProvider", "Denied", "Generation", "GovernanceUnavailable", "Governor", "KeyCheck", "KeyLimits",
-    "KeyStore", "Price", "PriceBook", "ProviderError", "Rates", "Reaper", "ReserveArgs", "SettleArgs", "Ticket",
-    "Usage", "cost_micro_usd", "digest", "estimate_prompt_tokens", "follow_prices", "gpus_of", "load_script",
-    "new_key", "now_ms", "parse_key", "public_row", "redis_keys", "resolve", "script_source", "spend_summary",
-    "usd_to_micro", "with_max_tokens",
+    "KeyStore", "Price", "PriceBook", "ProviderError", "Rates", "Reaper", "ReserveArgs", "ScriptPipe", "SettleArgs",
+    "Ticket", "Usage", "cost_micro_usd", "digest", "estimate_prompt_tokens", "follow_prices", "gpus_of",
+    "load_script", "new_key", "now_ms", "parse_key", "pipe_for", "public_row", "redis_keys", "resolve",
+    "script_source", "spend_summary", "usd_to_micro", "with_max_tokens",
 ]

@@ -32,9 +32,10 @@ from ._cost import OVERRUNS, count
 from ._durability import UNMATCHED, SettleJournal, StoreWatch
 from ._errors import GovernanceUnavailable
 from ._keys import ADMIN_ID, redis_keys
+from ._pipe import ScriptPipe, scripts_for
 from ._prices import MICRO, Price, PriceBook, Rates
 from ._provider import Spent, gpus_of, resolve
-from ._scripts import Admission, ProgressArgs, ReserveArgs, SettleArgs, allowed_models, load_script
+from ._scripts import Admission, ProgressArgs, ReserveArgs, SettleArgs, allowed_models
 from ._throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -218,17 +219,18 @@ class Governor:
     """Admission and settlement of calls, for one gateway replica."""
 
     def __init__(self, settings: GatewaySettings, client: redis.Redis, prices: PriceBook, replica_id: str,
-                 routes: RouteTable | None = None) -> None:
+                 routes: RouteTable | None = None, pipe: ScriptPipe | None = None) -> None:
+        """`pipe`: the scripts' connection (_pipe.py); None sends them through `client`."""
         self.settings, self.redis, self.prices, self.replica_id = settings, client, prices, replica_id
         self.routes = routes if routes is not None else RouteTable.empty()
         self.costing = resolve(settings.llm_cost_provider)  # checked when the settings were read
         self.throughput = Throughput(client, settings.cost_window_s) if self.costing.uses_throughput else None
         self.trim_ms = int(settings.cost_retention_days * 86_400_000)
         self.lease_ms = int((settings.request_timeout_s + settings.reservation_grace_s) * 1000)
-        self.reserve_script = load_script(client, "reserve.lua")
-        self.settle_script = load_script(client, "settle.lua")
-        self.progress_script = load_script(client, "progress.lua")
-        self.key_models_script = load_script(client, "key_models.lua")
+        self.reserve_script = scripts_for(pipe, client, "reserve.lua")
+        self.settle_script = scripts_for(pipe, client, "settle.lua")
+        self.progress_script = scripts_for(pipe, client, "progress.lua")
+        self.key_models_script = scripts_for(pipe, client, "key_models.lua")
         self.background: set[asyncio.Task[None]] = set()
         self.journal = SettleJournal()
         self.watch = StoreWatch(client, self.journal, self._resettle)
