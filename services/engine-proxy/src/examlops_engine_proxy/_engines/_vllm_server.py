@@ -1,4 +1,5 @@
-"""vllm-server engine: a client of `vllm serve`'s OpenAI API (one pooled aiohttp session per replica).
+"""vllm-server engine: a client of `vllm serve`'s OpenAI API (per replica: a pool of kept-alive
+connections for the generations, _http.py, and an aiohttp session for https:// and the rest).
 
 Also serves any OpenAI-compatible server (SGLang's subclass adds its own parameters). A stream is
 read per network read: the events each read completes go on as one message, as the bytes the server
@@ -8,8 +9,9 @@ Streams ask for continuous usage (`stream_options: {include_usage, continuous_us
 and SGLang), so every chunk carries the tokens delivered so far: a stream cut by the client or by an
 engine failure is billed what was delivered, not guessed. The usage fields the client did not ask
 for are stripped from what it receives (that chunk is re-serialised), so it sees what it asked for.
-aiohttp rather than httpx: measured on this path, httpx cost ~1 ms of CPU per request in pool
-bookkeeping and cancellation checks, aiohttp ~0.2 ms (bench/README.md).
+The client, measured on this path (engine-proxy's CPU per request to the benchmark's stub, one
+core): httpx ~1 ms (pool bookkeeping, cancellation checks), aiohttp ~119 µs whole and ~164 µs
+streamed, the lean pool ~32 µs and ~74 µs (including this module's own work on the answer).
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ from examlops.svc import with_trace_context
 
 from .._errors import EngineRejected, ReplicaFailed
 from ._base import Generation
+from ._http import HttpPool, NetFailure
 from ._sse import EventReader, engine_message, usage_pb
 
-NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+NET_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError, NetFailure)
 
 
 def net_failure(exc: BaseException) -> tuple[str, str]:
     """(kind, short description) of a network error: `connect` when no connection was made (a
     refused or timed-out connect means nothing answers there), else `timeout` or `read`."""
+    if isinstance(exc, NetFailure):
+        return exc.kind, exc.detail
     if isinstance(exc, aiohttp.ClientConnectorError):
         os_error = exc.os_error
         if isinstance(os_error, ConnectionRefusedError):
@@ -61,6 +66,9 @@ class VllmServerEngine:
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # generations to an http:// server take the lean client (_http.py); https:// ones, aiohttp
+        self.pool = HttpPool(self.base_url, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
+                             max_connections=max_connections) if self.base_url.startswith("http://") else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -81,11 +89,14 @@ class VllmServerEngine:
         return body
 
     async def generate(self, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
-        url = self.base_url + gen.path
+        response: Any
         try:
             # The engine joins the caller's trace (vLLM with --otlp-traces-endpoint) through `traceparent`.
-            response = await self.session.post(url, data=orjson.dumps(self.prepare(gen)),
-                                               headers=with_trace_context(self.headers))
+            headers, body = with_trace_context(self.headers), orjson.dumps(self.prepare(gen))
+            if self.pool is not None:
+                response = await self.pool.post(gen.path, headers, body)
+            else:
+                response = await self.session.post(self.base_url + gen.path, data=body, headers=headers)
         except NET_ERRORS as exc:
             raise self.failed(*net_failure(exc)) from None
         try:
@@ -107,7 +118,7 @@ class VllmServerEngine:
         finally:
             response.release()
 
-    async def _stream(self, response: aiohttp.ClientResponse, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
+    async def _stream(self, response: Any, gen: Generation) -> AsyncIterator[pb.GenerateChunk]:
         """One message per read that completed events; the last is final (with that read's events
         when [DONE] and the body's end came in it). The body is read to its end even after [DONE],
         so the connection goes back to the pool."""
@@ -147,5 +158,7 @@ class VllmServerEngine:
             return response.status, await response.read()
 
     async def aclose(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         if self._session is not None:
             await self._session.close()
