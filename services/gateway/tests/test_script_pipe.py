@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,19 @@ def test_a_script_redis_lost_is_sent_again_whole(redis_server: RedisServer) -> N
     uvloop.run(run())
 
 
-def test_a_restarted_redis_is_reached_again_and_calls_in_flight_are_retried(tmp_path: Path) -> None:
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of the test's own, to kill, restart or stop."""
     server = start_redis(tmp_path / "r", fsync="everysec")
+    try:
+        yield server
+    finally:
+        server.proc.stop()
+
+
+def test_a_restarted_redis_is_reached_again_and_calls_in_flight_are_retried(tmp_path: Path,
+                                                                            own_redis: RedisServer) -> None:
+    server = own_redis
 
     async def run() -> None:
         pipe = ScriptPipe(server.url)
@@ -112,14 +124,11 @@ def test_a_restarted_redis_is_reached_again_and_calls_in_flight_are_retried(tmp_
         finally:
             await pipe.close()
 
-    try:
-        uvloop.run(run())
-    finally:
-        server.proc.stop()
+    uvloop.run(run())
 
 
-def test_a_redis_that_hangs_fails_the_call_within_the_timeout_then_it_recovers(tmp_path: Path) -> None:
-    server = start_redis(tmp_path / "h")
+def test_a_redis_that_hangs_fails_the_call_within_the_timeout_then_it_recovers(own_redis: RedisServer) -> None:
+    server = own_redis
 
     async def run() -> None:
         pipe = ScriptPipe(server.url, timeout_s=0.5)
@@ -138,10 +147,7 @@ def test_a_redis_that_hangs_fails_the_call_within_the_timeout_then_it_recovers(t
         finally:
             await pipe.close()
 
-    try:
-        uvloop.run(run())
-    finally:
-        server.proc.stop()
+    uvloop.run(run())
 
 
 def test_the_urls_password_and_database_are_used_and_a_wrong_password_is_named(tmp_path: Path) -> None:
