@@ -229,3 +229,92 @@ def test_callers_beyond_max_connections_wait_and_a_cancelled_caller_frees_its_co
 def test_vllm_server_takes_the_pool_for_http_and_aiohttp_for_https() -> None:
     assert VllmServerEngine("m", "http://127.0.0.1:8000/").pool is not None
     assert VllmServerEngine("m", "https://api.example.com").pool is None
+
+
+def test_a_timed_out_request_is_not_sent_again_and_informational_answers_are_skipped() -> None:
+    requests: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            request = await read_request(reader)
+            requests.append(request.rsplit(b"\r\n\r\n", 1)[1])
+            if request.endswith(b"slow"):
+                await asyncio.sleep(1)  # past the read timeout: an engine still generating
+                continue
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst")
+            await writer.drain()
+
+    async def run(url: str) -> None:
+        p = pool(url, read_timeout_s=0.2)
+        answer = await p.post("/x", {}, b"warm")
+        assert (answer.status, await answer.read()) == (200, b"first")
+        answer.release()
+        answer.release()  # a second release changes nothing
+        assert len(p.idle) == 1
+        with pytest.raises(NetFailure) as err:
+            await p.post("/x", {}, b"slow")  # on the reused connection
+        assert err.value.kind == "timeout"
+        await asyncio.sleep(0.1)
+        assert requests == [b"warm", b"slow"]  # sent once: an engine call is not idempotent
+        with pytest.raises(ValueError, match="line break"):
+            await p.post("/x", {"x-a": "v\r\nX-Injected: 1"}, b"{}")
+        p.close()
+        with pytest.raises(NetFailure, match="closed"):
+            await p.post("/x", {}, b"{}")
+
+    uvloop.run(serving(handler, run))
+
+
+def test_a_waiter_woken_then_cancelled_passes_the_connection_on_and_fresh_frees_an_idle_slot() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def run(url: str) -> None:
+        p = pool(url, max_connections=1)
+        held = await p.post("/x", {}, b"{}")
+        second = asyncio.create_task(p._connection())
+        third = asyncio.create_task(p._connection())
+        await asyncio.sleep(0.01)  # both wait for the one slot
+        assert await held.read() == b"ok"
+        held.release()  # wakes the second...
+        second.cancel()  # ...which is cancelled before it runs: the third must get the connection
+        answer, reused = await asyncio.wait_for(third, 1)
+        assert reused and answer is held
+        answer.busy = True  # as send() would
+        answer.release()
+        fresh, reused = await asyncio.wait_for(p._connection(fresh=True), 1)  # the idle one makes room
+        assert not reused and fresh is not held and p.open == {fresh} and not p.idle
+        p.close()
+
+    uvloop.run(serving(handler, run))
+
+
+def test_bytes_on_an_idle_connection_end_it_and_the_next_request_takes_a_new_one() -> None:
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")  # nobody asked
+        await writer.drain()
+        await reader.read()
+
+    async def run(url: str) -> None:
+        p = pool(url)
+        for _ in range(2):
+            answer = await p.post("/x", {}, b"{}")
+            assert await answer.read() == b"ok"
+            answer.release()
+            await asyncio.sleep(0.15)
+        assert connections == 2
+        p.close()
+
+    uvloop.run(serving(handler, run))

@@ -167,11 +167,16 @@ def test_the_urls_password_and_database_are_used_and_a_wrong_password_is_named(t
 
         async def run() -> None:
             pipe = ScriptPipe(f"redis://:s3cret@127.0.0.1:{port}/3")
-            wrong = ScriptPipe(f"redis://:nope@127.0.0.1:{port}/3", retries=0)
+            wrong = ScriptPipe(f"redis://:nope@127.0.0.1:{port}/3")
             try:
                 await _piped(pipe, "return redis.call('SET', KEYS[1], ARGV[1])")(keys=["pipe:db"], args=["three"])
+                clients = len(sync.client_list())
+                started = time.monotonic()
                 with pytest.raises(redis.AuthenticationError, match="refused the URL's credentials"):
                     await _piped(wrong, "return 1")(keys=["pipe:db"], args=[])
+                assert time.monotonic() - started < 0.2  # not tried again (the retries back off 0.28 s)
+                await asyncio.sleep(0.05)
+                assert len(sync.client_list()) == clients  # the refused connection is closed
             finally:
                 await pipe.close()
                 await wrong.close()
@@ -191,3 +196,19 @@ def test_a_cluster_or_tls_url_keeps_redis_py(redis_server: RedisServer) -> None:
     client = aioredis.Redis(port=redis_server.port, decode_responses=True)
     assert isinstance(scripts_for(pipe, client, "settle.lua"), PipedScript)
     assert isinstance(scripts_for(None, client, "settle.lua"), AsyncScript)
+
+
+def test_close_during_a_connect_fails_the_waiting_call_with_connection_error(own_redis: RedisServer) -> None:
+    async def run() -> None:
+        pipe = ScriptPipe(own_redis.url.removesuffix("/0") + "/1")  # SELECT 1: a handshake to wait on
+        os.kill(own_redis.proc.pid, signal.SIGSTOP)  # the kernel accepts; Redis answers nothing
+        try:
+            call = asyncio.create_task(_piped(pipe, "return 1")(keys=["pipe:x"], args=[]))
+            await asyncio.sleep(0.1)
+            await pipe.close()
+            with pytest.raises(redis.ConnectionError, match="shutting down"):
+                await call
+        finally:
+            os.kill(own_redis.proc.pid, signal.SIGCONT)
+
+    uvloop.run(run())

@@ -11,11 +11,13 @@ understands (`connect`: nothing answers there; `timeout`; `read`).
 What it does not do, and what it does instead:
 - no TLS, proxies or redirects: an `https://` engine keeps aiohttp (vllm-server chooses);
 - a kept-alive connection the server closed while idle (uvicorn closes them after 5 s) is never
-  reused once seen closed, nor after IDLE_S of rest; a request whose reused connection dies before
-  a single byte of answer came back is sent once more on a new one (the server had not read it:
-  a server reads a request and answers, or closes an idle connection, not both);
+  reused once seen closed, nor after IDLE_S of rest; a request whose reused connection is lost
+  within UNREAD_S of the write, before any byte of answer, is sent once more on a new one (the
+  server had closed it idle and never read the request); never after a timeout or a byte of answer;
 - an answer must carry Content-Length or be chunked (vLLM's always do); one that ends the
-  connection instead is read as `server disconnected` if it stops early.
+  connection instead is read as `server disconnected` if it stops early. Informational answers
+  (1xx) are skipped; bytes on a connection nobody asked anything of end it; a path or header with a
+  line break or NUL is refused (ValueError) before anything is sent.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ import httptools
 
 #: A kept-alive connection idle longer than this is closed rather than reused (below uvicorn's 5 s).
 IDLE_S = 4.0
+#: A reused connection lost this soon after the request was written, before any byte of answer, was
+#: closed by the server while idle: the request is sent once more on a new connection. Never after a
+#: timeout or an answer's first byte: an engine call is no idempotent request.
+UNREAD_S = 0.05
+#: Characters a request line or header must not carry (they would start a line of their own).
+_BREAKS = ("\r", "\n", "\0")
 
 
 class NetFailure(Exception):
@@ -50,6 +58,8 @@ class _Answer(asyncio.Protocol):
         self.status = 0
         self.pieces: list[bytes] = []
         self.headers_done = self.complete = self.got_bytes = self.keep_alive = False
+        self.busy = False  # between send() and release()
+        self.sent_at = 0.0
         self.failure: NetFailure | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
@@ -60,6 +70,9 @@ class _Answer(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
 
     def data_received(self, data: bytes) -> None:
+        if not self.busy:  # nothing was asked on this connection: it cannot be trusted again
+            self._fail(NetFailure("read", "the server sent bytes nobody asked for"))
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -75,6 +88,8 @@ class _Answer(asyncio.Protocol):
 
     # -- httptools' callbacks
     def on_headers_complete(self) -> None:
+        if self.parser.get_status_code() < 200:  # 100 Continue, 103 Early Hints: the answer follows
+            return
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()  # asked here: past the answer's end it reads False
         self.headers_done = True
@@ -83,7 +98,8 @@ class _Answer(asyncio.Protocol):
         self.pieces.append(body)
 
     def on_message_complete(self) -> None:
-        self.complete = True
+        if self.headers_done:  # not the end of an informational (1xx) answer
+            self.complete = True
 
     # -- waiting
     def _fail(self, failure: NetFailure) -> None:
@@ -98,7 +114,8 @@ class _Answer(asyncio.Protocol):
             self.waiter.set_result(None)
 
     def _timed_out(self) -> None:
-        self._fail(NetFailure("timeout", "timed out waiting for the server"))
+        if self.waiter is not None and not self.waiter.done():  # not when bytes came in the same loop turn
+            self._fail(NetFailure("timeout", "timed out waiting for the server"))
 
     async def _wait(self) -> None:
         """Until something new: bytes, the answer's end or a failure (NetFailure raises)."""
@@ -119,8 +136,15 @@ class _Answer(asyncio.Protocol):
     def send(self, request: bytes) -> None:
         self.status, self.headers_done, self.complete, self.got_bytes = 0, False, False, False
         self.pieces.clear()
+        self.busy, self.sent_at = True, time.monotonic()
         assert self.transport is not None
         self.transport.write(request)
+
+    def unread(self) -> bool:
+        """The request met a connection the server had closed: lost at once, before any answer byte.
+        (A server reads a request and answers it, or closes an idle connection; not both.)"""
+        return (self.failure is not None and self.failure.kind == "read" and not self.got_bytes
+                and time.monotonic() - self.sent_at < UNREAD_S)
 
     async def head(self) -> None:
         while not self.headers_done:
@@ -153,8 +177,11 @@ class _Answer(asyncio.Protocol):
         return self.complete and not self.pieces
 
     def release(self) -> None:
-        """Back to the pool when the answer was read whole on a connection the server keeps open."""
-        self.pool.give_back(self, reusable=self.complete and self.failure is None and self.keep_alive)
+        """Back to the pool when the answer was read whole on a connection the server keeps open
+        (once: a second call does nothing)."""
+        if self.busy:
+            self.busy = False
+            self.pool.give_back(self, reusable=self.complete and self.failure is None and self.keep_alive)
 
 
 class HttpPool:
@@ -173,8 +200,12 @@ class HttpPool:
         self.idle: list[_Answer] = []
         self.open: set[_Answer] = set()
         self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.closed = False
 
     def request_bytes(self, path: str, headers: dict[str, str], body: bytes) -> bytes:
+        for text in (path, *headers, *headers.values()):
+            if any(c in text for c in _BREAKS):
+                raise ValueError(f"a line break or NUL in a request's path or header: {text[:80]!r}")
         lines = [f"POST {self.prefix}{path} HTTP/1.1\r\nHost: ".encode(), self.host_header,
                  f"\r\nContent-Length: {len(body)}\r\n".encode()]
         lines.extend(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
@@ -193,8 +224,7 @@ class HttpPool:
                 return answer
             except NetFailure:
                 answer.release()  # closes it
-                # a reused connection the server closed while idle: the request was never read
-                if attempt or not reused or answer.got_bytes:
+                if attempt or not reused or not answer.unread():
                     raise
             except BaseException:  # cancelled: the connection goes, the answer half-read
                 answer.release()
@@ -202,19 +232,31 @@ class HttpPool:
         raise AssertionError("unreachable")
 
     async def _connection(self, fresh: bool = False) -> tuple[_Answer, bool]:
-        now = time.monotonic()
-        while self.idle and not fresh:
-            answer = self.idle.pop()
-            if answer.transport is not None and not answer.transport.is_closing() and now - answer.idle_since < IDLE_S:
-                return answer, True
-            self._close(answer)
-        while len(self.open) >= self.max_connections:
+        """(a connection, whether it was reused): an idle one unless `fresh`, else a new one once
+        fewer than max_connections are open."""
+        while True:
+            if self.closed:
+                raise NetFailure("connect", "the engine's client is closed")
+            now = time.monotonic()
+            while self.idle and not fresh:
+                answer = self.idle.pop()
+                if (answer.transport is not None and not answer.transport.is_closing()
+                        and now - answer.idle_since < IDLE_S):
+                    return answer, True
+                self._close(answer)
+            if len(self.open) < self.max_connections:
+                return await self._connect(), False
+            if self.idle:  # a fresh one is wanted and idle connections hold the slots: one goes
+                self._close(self.idle.pop(0))
+                continue
             waiter = asyncio.get_running_loop().create_future()
             self.waiting.append(waiter)
-            await waiter  # a connection was closed or given back
-            if self.idle and not fresh:
-                return await self._connection()
-        return await self._connect(), False
+            try:
+                await waiter  # a connection was closed or given back
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # woken, then cancelled: wake the next
+                    self._next()
+                raise
 
     async def _connect(self) -> _Answer:
         loop = asyncio.get_running_loop()
@@ -238,7 +280,7 @@ class HttpPool:
         return answer
 
     def give_back(self, answer: _Answer, reusable: bool) -> None:
-        if reusable and answer in self.open:
+        if reusable and answer in self.open and not self.closed:
             answer.idle_since = time.monotonic()
             self.idle.append(answer)
             self._next()
@@ -265,5 +307,6 @@ class HttpPool:
                 return
 
     def close(self) -> None:
+        self.closed = True
         for answer in list(self.open):
             self._close(answer)

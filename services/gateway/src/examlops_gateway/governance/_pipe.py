@@ -14,9 +14,10 @@ It keeps what the redis-py client gave these calls:
   a new connection, up to `retries` times with the pool's backoff (20 ms doubling, at most 0.5 s):
   the gateway's client retries ConnectionError the same way, and the scripts were written for it
   (settle.lua answers "duplicate" to a repeat);
-- a Redis that stops answering: a call waits at most `timeout_s`, then the connection is dropped and
-  its calls fail with redis.TimeoutError (GovernanceUnavailable for an admission; a settle is
-  retried in the background, _governor.py).
+- a Redis that stops answering: a call waits `timeout_s` (and up to a quarter of it more, the
+  watchdog's period), then the connection is dropped and its calls fail with redis.TimeoutError
+  (GovernanceUnavailable for an admission; a settle is retried in the background, _governor.py);
+- a wrong password is not tried again (AuthenticationError).
 It speaks to one Redis over TCP or a unix socket, with the URL's user, password and database.
 A Redis Cluster URL or TLS (rediss://) keeps redis-py's client (`scripts_for` decides).
 """
@@ -133,13 +134,16 @@ class ScriptPipe:
             return self.conn
         if self.closed:
             raise rx.ConnectionError("the gateway is shutting down")
-        if self.connecting is None:
+        if self.connecting is None or self.connecting.done():  # one connect at a time, shared by its callers
             self.connecting = asyncio.create_task(self._connect())
+        task = self.connecting
         try:
-            return await asyncio.shield(self.connecting)
-        finally:
-            if self.connecting is not None and self.connecting.done():
-                self.connecting = None
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):  # close() stopped the connect
+                raise rx.ConnectionError("the gateway is shutting down") from None
+            raise
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -148,6 +152,7 @@ class ScriptPipe:
             if self.conn is conn:
                 self.conn = None
 
+        conn: _Connection | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
                 if self.path is not None:
@@ -156,12 +161,16 @@ class ScriptPipe:
                     _, conn = await loop.create_connection(lambda: _Connection(lost), self.host, self.port)
                 for command in self.handshake:  # AUTH, SELECT
                     await conn.send(command)
-        except rx.ResponseError as exc:
-            conn.abort(rx.AuthenticationError(str(exc)))
-            raise rx.AuthenticationError(f"Redis at {self._where()} refused the URL's credentials or database: "
-                                      f"{exc}") from None
-        except (OSError, TimeoutError) as exc:  # asyncio.timeout's
-            raise rx.ConnectionError(f"cannot reach Redis at {self._where()}: {exc}") from None
+        except BaseException as exc:
+            if conn is not None:  # a handshake that failed, timed out or was cancelled: its socket goes
+                conn.abort(rx.ConnectionError("the connection's handshake failed"))
+            if isinstance(exc, rx.ResponseError):
+                raise rx.AuthenticationError(f"Redis at {self._where()} refused the URL's credentials or "
+                                             f"database: {exc}") from None
+            if isinstance(exc, (OSError, TimeoutError)):  # TimeoutError: asyncio.timeout's
+                raise rx.ConnectionError(f"cannot reach Redis at {self._where()}: "
+                                         f"{exc or f'no answer within {self.timeout_s:g} s'}") from None
+            raise  # a ConnectionError (LOADING: tried again), a cancellation
         self.conn = conn
         if self.watch is None or self.watch.done():
             self.watch = asyncio.create_task(self._watch())
@@ -193,6 +202,8 @@ class ScriptPipe:
                     if not str(exc).startswith("NOSCRIPT"):
                         raise
                 return await conn.send(_packed("EVAL", source, *tail))
+            except rx.AuthenticationError:
+                raise  # the URL's credentials: trying again changes nothing
             except rx.ConnectionError:
                 failures += 1
                 if failures > self.retries:
