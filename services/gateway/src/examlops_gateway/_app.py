@@ -16,7 +16,6 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from starlette.responses import Response
 
 from examlops.engine_proxy.v1 import engine_proxy_pb2_grpc as ep_grpc
@@ -45,7 +44,7 @@ from ._multiplex import EngineMultiplex
 from ._settings import GatewaySettings
 from ._state import GatewayState
 from .cache import CacheBook, CacheStage, SemanticIndex, embed
-from .governance import Governor, KeyCheck, PriceBook, Reaper, follow_prices, pipe_for
+from .governance import REDIS_BACKOFF, REDIS_RETRIES, Governor, KeyCheck, PriceBook, Reaper, follow_prices, pipe_for
 from .guardrails import GuardrailBook, GuardStage, engine_proxy_ask
 from .http import (
     FastLaneApp,
@@ -69,7 +68,7 @@ def gateway_redis(settings: GatewaySettings) -> redis.Redis:
     A Redis restart leaves dead pooled connections: they are retried once connected again, briefly.
     """
     return redis_client(settings.store_url, max_connections=settings.redis_max_connections, wait_s=10,
-                        health_check_interval=30, retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=3),
+                        health_check_interval=30, retry=Retry(REDIS_BACKOFF, retries=REDIS_RETRIES),
                         retry_on=(redis.ConnectionError,), var=settings.store_var)
 
 

@@ -188,13 +188,21 @@ class HttpPool:
     """Kept-alive connections to one `http://host:port[/prefix]` server."""
 
     def __init__(self, base_url: str, *, connect_timeout_s: float, read_timeout_s: float,
-                 max_connections: int) -> None:
+                 max_connections: int, headers: dict[str, str] | None = None) -> None:
+        """`headers`: sent with every request, encoded and checked once here (one that cannot be
+        sent fails each request, as a bad per-request header does)."""
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"HttpPool speaks plain http://host:port, not {base_url!r}")
+        if parts.scheme != "http" or not parts.hostname or parts.username is not None:
+            raise ValueError(f"HttpPool speaks plain http://host:port (no credentials in the URL), "
+                             f"not {parts.scheme}://")
         self.host, self.port = parts.hostname, parts.port or 80
         self.prefix = parts.path.rstrip("/")
-        self.host_header = parts.netloc.rpartition("@")[2].encode()
+        self.refused: ValueError | None = None
+        try:
+            lines = _header_lines(headers or {})
+        except ValueError as exc:
+            lines, self.refused = b"", exc
+        self.head = b"\r\nHost: " + parts.netloc.encode() + b"\r\n" + lines
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.max_connections = max_connections
         self.idle: list[_Answer] = []
@@ -203,18 +211,16 @@ class HttpPool:
         self.closed = False
 
     def request_bytes(self, path: str, headers: dict[str, str], body: bytes) -> bytes:
-        for text in (path, *headers, *headers.values()):
-            if any(c in text for c in _BREAKS):
-                raise ValueError(f"a line break or NUL in a request's path or header: {text[:80]!r}")
-        lines = [f"POST {self.prefix}{path} HTTP/1.1\r\nHost: ".encode(), self.host_header,
-                 f"\r\nContent-Length: {len(body)}\r\n".encode()]
-        lines.extend(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
-        lines.append(b"\r\n")
-        lines.append(body)
-        return b"".join(lines)
+        if self.refused is not None:
+            raise self.refused
+        if any(c in path for c in _BREAKS):
+            raise ValueError("a line break or NUL in a request's path: not sent")
+        return b"".join((f"POST {self.prefix}{path} HTTP/1.1".encode(), self.head, _header_lines(headers),
+                         f"Content-Length: {len(body)}\r\n\r\n".encode(), body))
 
     async def post(self, path: str, headers: dict[str, str], body: bytes) -> _Answer:
-        """The answer once its status and headers are in; its body is read from it, then `release()`."""
+        """The answer once its status and headers are in; its body is read from it, then `release()`.
+        `headers`: this request's own, beside the pool's."""
         request = self.request_bytes(path, headers, body)
         for attempt in (0, 1):
             answer, reused = await self._connection(fresh=attempt > 0)
@@ -310,3 +316,12 @@ class HttpPool:
         self.closed = True
         for answer in list(self.open):
             self._close(answer)
+
+
+def _header_lines(headers: dict[str, str]) -> bytes:
+    """`name: value` lines; ValueError naming the header (never its value: it may be a key) when
+    one holds a line break or NUL, which would start a header of its own."""
+    for name, value in headers.items():
+        if any(c in name or c in value for c in _BREAKS):
+            raise ValueError(f"the request header {name.splitlines()[0][:40]!r} holds a line break or NUL: not sent")
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")

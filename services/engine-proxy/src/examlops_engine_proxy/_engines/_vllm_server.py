@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -67,8 +68,10 @@ class VllmServerEngine:
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         # generations to an http:// server take the lean client (_http.py); https:// ones, aiohttp
+        # (the engine's key goes into the pool's header lines, encoded once)
+        plain = self.base_url.startswith("http://") and "@" not in urlsplit(self.base_url).netloc
         self.pool = HttpPool(self.base_url, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
-                             max_connections=max_connections) if self.base_url.startswith("http://") else None
+                             max_connections=max_connections, headers=self.headers) if plain else None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -92,11 +95,12 @@ class VllmServerEngine:
         response: Any
         try:
             # The engine joins the caller's trace (vLLM with --otlp-traces-endpoint) through `traceparent`.
-            headers, body = with_trace_context(self.headers), orjson.dumps(self.prepare(gen))
-            if self.pool is not None:
-                response = await self.pool.post(gen.path, headers, body)
+            body = orjson.dumps(self.prepare(gen))
+            if self.pool is not None:  # the pool sends self.headers itself
+                response = await self.pool.post(gen.path, with_trace_context({}), body)
             else:
-                response = await self.session.post(self.base_url + gen.path, data=body, headers=headers)
+                response = await self.session.post(self.base_url + gen.path, data=body,
+                                                   headers=with_trace_context(self.headers))
         except NET_ERRORS as exc:
             raise self.failed(*net_failure(exc)) from None
         try:

@@ -35,14 +35,16 @@ import hiredis
 import redis.asyncio as redis
 from redis import exceptions as rx
 from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
+from redis.backoff import ExponentialBackoff
 
 from examlops.svc import is_cluster_url
 
 from ._scripts import load_script, script_source
 
 Args = Sequence[str | int | float]
-RETRIES = 3
-BACKOFF_BASE_S, BACKOFF_CAP_S = 0.02, 0.5
+#: The retry policy of the gateway's Redis calls, the client's (_app.gateway_redis) and the pipe's.
+REDIS_RETRIES = 3
+REDIS_BACKOFF = ExponentialBackoff(cap=0.5, base=0.02)
 
 
 class _Connection(asyncio.Protocol):
@@ -114,7 +116,7 @@ class _Connection(asyncio.Protocol):
 class ScriptPipe:
     """EVALSHA of the governance scripts over one pipelined connection to the Redis of `url`."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0, retries: int = RETRIES) -> None:
+    def __init__(self, url: str, timeout_s: float = 10.0, retries: int = REDIS_RETRIES) -> None:
         options = parse_url(url)
         self.path: str | None = options.get("path") if options.get("connection_class") is UnixDomainSocketConnection \
             else None
@@ -208,7 +210,7 @@ class ScriptPipe:
                 failures += 1
                 if failures > self.retries:
                     raise
-                await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** failures))
+                await asyncio.sleep(REDIS_BACKOFF.compute(failures))
 
     async def close(self) -> None:
         self.closed = True
