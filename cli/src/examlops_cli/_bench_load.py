@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import orjson
 
+from ._bench_server import settled, snapshot
 from .gateway import error_line
 
 #: Common English words that BPE tokenizers (GPT-2, Llama, SmolLM2, Qwen…) keep as one token each
@@ -65,6 +66,7 @@ class LoadSpec:
     max_tokens: int
     ignore_eos: bool
     timeout_s: float
+    servers: list[str] = field(default_factory=list)  # vLLM servers whose /metrics frame the run (_bench_server)
 
 
 @dataclass
@@ -171,16 +173,33 @@ async def run_phase(client: httpx.AsyncClient, spec: LoadSpec, run: str, indices
     return samples, time.perf_counter() - t0
 
 
-async def run_load(spec: LoadSpec, advance: Callable[[str, Sample], None]) -> tuple[list[Sample], float]:
-    """The warm-up (not measured), then the measured requests: (their samples, their wall seconds)."""
+@dataclass
+class Run:
+    """The measured requests' samples and wall seconds; the servers' series just before and after them."""
+
+    samples: list[Sample]
+    wall_s: float
+    before: list[dict[str, float]] | str = "not read"
+    after: list[dict[str, float]] | str = "not read"
+
+
+async def run_load(spec: LoadSpec, advance: Callable[[str, Sample], None]) -> Run:
+    """The warm-up (not measured), then the measured requests, framed by the servers' /metrics."""
     run = f"{random.getrandbits(32):08x}"
     limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
     timeout = httpx.Timeout(spec.timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=_JSON) as client:
+        before: list[dict[str, float]] | str = "not read"
+        if spec.servers:
+            before = await snapshot(client, spec.servers)
         if spec.warmup:
             await run_phase(client, spec, run, range(spec.requests, spec.requests + spec.warmup),
                             lambda s: advance("warmup", s))
-        return await run_phase(client, spec, run, range(spec.requests), lambda s: advance("bench", s))
+            if spec.servers:
+                before = await settled(client, spec.servers, before)
+        samples, wall_s = await run_phase(client, spec, run, range(spec.requests), lambda s: advance("bench", s))
+        after = await settled(client, spec.servers, before) if spec.servers else "not read"
+        return Run(samples, wall_s, before, after)
 
 
 def distribution_ms(values_s: list[float]) -> dict[str, float] | None:
