@@ -69,6 +69,10 @@ def smol(stack: Stack, vllm_url: str) -> str:
     headers = {"Authorization": f"Bearer {DEFAULT_ADMIN_KEY}"}
     wait_until(lambda: any(m["id"] == "smol" for m in httpx.get(
         stack.gateway_url + "/v1/models", headers=headers).json()["data"]), 10, 0.1, "smol routed")
+    for stream in (False, True):  # the route's first-call costs (connections, lazy imports) out of every window
+        httpx.post(stack.gateway_url + "/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": "smol", "max_tokens": 4, "stream": stream,
+            "messages": [{"role": "user", "content": "Hello"}]}).raise_for_status()
     return vllm_url
 
 
