@@ -195,10 +195,11 @@ async def run_load(spec: LoadSpec, advance: Callable[[str, Sample], None]) -> Ru
         if spec.warmup:
             await run_phase(client, spec, run, range(spec.requests, spec.requests + spec.warmup),
                             lambda s: advance("warmup", s))
-            if spec.servers:
+            if spec.servers and not isinstance(before, str):
                 before = await settled(client, spec.servers, before)
         samples, wall_s = await run_phase(client, spec, run, range(spec.requests), lambda s: advance("bench", s))
-        after = await settled(client, spec.servers, before) if spec.servers else "not read"
+        read = spec.servers and not isinstance(before, str)  # a server not read before is not waited on after
+        after = await settled(client, spec.servers, before) if read else before
         return Run(samples, wall_s, before, after)
 
 
