@@ -179,8 +179,8 @@ class Run:
 
     samples: list[Sample]
     wall_s: float
-    before: list[dict[str, float]] | str = "not read"
-    after: list[dict[str, float]] | str = "not read"
+    before: list[dict[str, float]] | str  # or why the servers were not read
+    after: list[dict[str, float]] | str
 
 
 async def run_load(spec: LoadSpec, advance: Callable[[str, Sample], None]) -> Run:
@@ -189,16 +189,14 @@ async def run_load(spec: LoadSpec, advance: Callable[[str, Sample], None]) -> Ru
     limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
     timeout = httpx.Timeout(spec.timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=_JSON) as client:
-        before: list[dict[str, float]] | str = "not read"
-        if spec.servers:
-            before = await snapshot(client, spec.servers)
+        before = await snapshot(client, spec.servers) if spec.servers else "not read"
+        read = not isinstance(before, str)  # servers not read before the run are not read (or waited on) again
         if spec.warmup:
             await run_phase(client, spec, run, range(spec.requests, spec.requests + spec.warmup),
                             lambda s: advance("warmup", s))
-            if spec.servers and not isinstance(before, str):
+            if read:
                 before = await settled(client, spec.servers, before)
         samples, wall_s = await run_phase(client, spec, run, range(spec.requests), lambda s: advance("bench", s))
-        read = spec.servers and not isinstance(before, str)  # a server not read before is not waited on after
         after = await settled(client, spec.servers, before) if read else before
         return Run(samples, wall_s, before, after)
 

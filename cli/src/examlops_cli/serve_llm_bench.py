@@ -75,7 +75,7 @@ def bench(
     else:
         targets, via = gateway_targets(model, key)
         servers, why_none = gateway_servers(model) if server_metrics else ([], "")
-    if not server_metrics:
+    if not server_metrics:  # --direct found its servers as its targets: they are simply not read
         servers, why_none = [], "not read (--no-server-metrics)"
     spec = LoadSpec(targets=targets, concurrency=concurrency, requests=requests, warmup=warmup,
                     prompt_tokens=prompt_tokens, max_tokens=max_tokens, ignore_eos=ignore_eos, timeout_s=timeout,
