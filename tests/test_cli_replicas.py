@@ -213,3 +213,17 @@ def test_help_explains_pools() -> None:
     assert "in-flight ones finish" in helptext("replica", "remove") and "r1" in helptext("replica", "remove")
     assert "running OpenAI-compatible server" in helptext("replica", "add")
     assert "ready/total" in helptext("list") and "routing" in helptext("status")
+
+
+
+def test_an_address_with_a_password_is_refused_naming_the_fix_and_never_echoed(stack: Stack, stubs: list[str]) -> None:
+    secret = "s3cret-pw"
+    url = stubs[0].replace("http://", f"http://ops:{secret}@")
+    start_pool(stack, "pool-creds", stubs[1:2])
+    for args in (("start", "pool-creds-new", "--base-url", url), ("replica", "add", "pool-creds", "--base-url", url)):
+        for fmt in ((), ("--json",)):
+            out = stack.cli(*fmt, "serve", "llm", *args)
+            assert out.returncode != 0 and "carries credentials; use api_key_secret_ref" in out.stderr, out.stderr
+            assert secret not in out.stdout + out.stderr and "ops:***@" in out.stderr
+    assert "pool-creds-new" not in [e["name"] for e in exa_json(stack, "serve", "llm", "list")]
+    assert [r["base_url"] for r in listed(stack, "pool-creds")["replicas"]] == stubs[1:2]

@@ -55,6 +55,11 @@ class Mux:
         assert not isinstance(reply, grpc.RpcError), reply
         return reply
 
+    def first_event(self, call_id: int) -> None:
+        """The next reply is call `call_id`'s first event (not its error)."""
+        reply = self.next()
+        assert reply is not None and reply.id == call_id and reply.chunk.sse == stripped(EVENTS[0]), reply
+
     def until_end(self, call_id: int) -> list[pb.MultiplexReply]:
         got = []
         while True:
@@ -83,8 +88,7 @@ def test_calls_interleave_on_one_stream_and_each_gets_its_own_answer(scripted: S
     go = threading.Event()
     server.scripts["held"] = [EVENTS[0], go, b"".join(EVENTS[1:]) + DONE]
     mux.send(1, request("held"))
-    first = mux.next()
-    assert first is not None and first.id == 1 and first.chunk.sse == stripped(EVENTS[0])
+    mux.first_event(1)
     mux.send(2, request("whole", stream=False), once=True)  # answered while call 1 waits
     (whole,) = mux.until_end(2)
     assert whole.end and whole.chunk.final and whole.chunk.data == WHOLE and whole.chunk.replica == "r0"
@@ -122,10 +126,10 @@ def test_a_cancel_ends_one_call_and_a_deadline_another(scripted: Scripted, mux: 
     server.scripts["stuck"] = [EVENTS[0], never, DONE]
     server.scripts["slow"] = [EVENTS[0], later, DONE]
     mux.send(1, request("stuck"))
-    assert mux.next().id == 1  # type: ignore[union-attr]
+    mux.first_event(1)
     mux.send(1, cancel=True)
     mux.send(2, request("slow"), timeout_ms=500)
-    assert mux.next().id == 2  # type: ignore[union-attr]
+    mux.first_event(2)
     (expired,) = mux.until_end(2)  # call 1 says nothing more: the next reply is call 2's end
     assert expired.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     mux.send(3, request("ping"))
@@ -139,7 +143,7 @@ def test_a_reused_id_is_refused_and_the_open_call_goes_on(scripted: Scripted, mu
     go = threading.Event()
     server.scripts["held"] = [EVENTS[0], go, b"".join(EVENTS[1:]) + DONE]
     mux.send(7, request("held"))
-    assert mux.next().id == 7  # type: ignore[union-attr]
+    mux.first_event(7)
     mux.send(7, request("ping"))
     refused = mux.next()
     assert refused is not None and refused.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -153,7 +157,7 @@ def test_closing_the_caller_s_side_lets_open_calls_finish(scripted: Scripted, st
     server.scripts["held"] = [EVENTS[0], go, b"".join(EVENTS[1:]) + DONE]
     mux = Mux(stub)
     mux.send(1, request("held"))
-    assert mux.next().id == 1  # type: ignore[union-attr]
+    mux.first_event(1)
     mux.close()  # no more calls; call 1 is still open
     go.set()
     assert mux.until_end(1)[-1].end
@@ -176,7 +180,7 @@ def test_a_draining_engine_proxy_refuses_new_calls_on_a_stream_and_ends_it_once_
         wait_until(functools.partial(routed, stub, MODEL), 10, what="the new engine-proxy routes the scripted server")
         mux = Mux(stub)
         mux.send(1, request("held"))
-        assert mux.next().id == 1  # type: ignore[union-attr]
+        mux.first_event(1)
         proc.popen.send_signal(signal.SIGTERM)
         wait_until(lambda: "shutting down" in proc.log_tail(), 10, what="engine-proxy shutting down")
         time.sleep(0.3)  # it drains right after that line

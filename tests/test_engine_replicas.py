@@ -245,3 +245,20 @@ def test_a_stream_cut_midway_ends_with_an_sse_error_and_is_not_retried(stack: St
     finally:
         a.close()
         b.close()
+
+
+def test_a_stopped_replica_answers_nothing_more_even_on_a_kept_connection(stack: Stack, client: openai.OpenAI) -> None:
+    """A stopped server's kept-alive connections end with it: engine-proxy, which keeps one open to each
+    replica (calls and /metrics scrapes), gets no answer from a replica that is gone."""
+    server = ReplicaBackend()
+    try:
+        register_pool(stack, "pool-stopped", [server.url])
+        wait_until(lambda: routed(client, "pool-stopped"), 10, what="the pool routed")
+        assert ask(client, "pool-stopped") == "pong"
+    finally:
+        server.close()
+    served = server.served
+    with pytest.raises(openai.APIStatusError) as failed:
+        ask(client, "pool-stopped")
+    assert failed.value.status_code == 502 and server.served == served
+    stack.registry().RemoveEndpoint(reg.RemoveEndpointRequest(name="pool-stopped", actor="tests"), timeout=10)

@@ -193,6 +193,36 @@ def test_add_and_remove_replica_refusals(stack: Stack) -> None:
         ("a", "http://a:8000", READY)]
 
 
+def test_an_address_with_a_password_is_refused_on_every_way_in_without_echoing_it(stack: Stack) -> None:
+    """The registry holds addresses by the engine block's rule: a server's key is a secret ref, never
+    part of a URL that every `list` would print. Registering, adding a replica and changing an address
+    are refused alike, the message masks the password, and nothing is stored."""
+    registry = stack.registry()
+    stack.register("rep-creds", replicas=[reg.Replica(id="a", base_url="http://a:8000")])
+    secret = "http://ops:s3cret@gpu01:8000"
+    def add(url: str) -> Callable[[], Any]:
+        return lambda: registry.AddReplica(reg.AddReplicaRequest(name="rep-creds", replica=reg.Replica(base_url=url)),
+                                           timeout=5)
+    calls = [
+        ("base_url", lambda: registry.RegisterEndpoint(reg.RegisterEndpointRequest(
+            endpoint=reg.Endpoint(name="rep-creds-new", base_url=secret)), timeout=5)),
+        ("replicas[0].base_url", lambda: registry.RegisterEndpoint(reg.RegisterEndpointRequest(
+            endpoint=reg.Endpoint(name="rep-creds-new", replicas=[reg.Replica(base_url=secret)])), timeout=5)),
+        ("replica.base_url", add(secret)),
+        ("base_url", lambda: update(stack, "rep-creds", replica="a", base_url=secret)),
+    ]
+    for field, call in calls:
+        code, reason, message = refused(call)
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, ("invalid_endpoint", field)), message
+        assert "'http://ops:***@gpu01:8000' carries credentials; use api_key_secret_ref" in message
+        assert "s3cret" not in message
+    assert refused(lambda: registry.GetEndpoint(reg.GetEndpointRequest(name="rep-creds-new"), timeout=5))[0] \
+        == grpc.StatusCode.NOT_FOUND
+    assert pool(registry.GetEndpoint(reg.GetEndpointRequest(name="rep-creds"), timeout=5)) == [
+        ("a", "http://a:8000", READY)]
+    assert refused(add("http://ops@gpu01:8000"))[0] == grpc.StatusCode.INVALID_ARGUMENT  # a user alone: no address
+
+
 def test_record_stored_before_pools_routes_and_migrates(stack: Stack, redis_server: RedisServer) -> None:
     old = '{"name": "rep-pre", "base_url": "http://old:8000", "state": "ENDPOINT_STATE_READY", ' \
           '"launcher": "external", "engine": "vllm-server", "served_model_name": "rep-pre", "revision": 3}'

@@ -228,11 +228,20 @@ def test_sglang_owns_its_own_flags() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("hf_model_id", "-rf"), ("hf_model_id", "two words"), ("served_model_name", ""),
-     ("base_url", "ftp://host"), ("base_url", "http://user:pw@host:8000"),
+     ("base_url", "ftp://host"), ("base_url", "http://user@host:8000"),
      ("api_key_secret_ref", "vault://x y")],
 )
 def test_values_that_would_break_a_command_line_or_leak_are_rejected(field: str, value: str) -> None:
     assert issue_for(rejected(**{field: value}), f"engine.{field}").value == value
+
+
+@pytest.mark.parametrize(("field", "fix"), [("base_url", "use api_key_secret_ref"),
+                                            ("otlp_traces_endpoint", "put them in OTEL_EXPORTER_OTLP_HEADERS")])
+def test_an_address_with_a_password_is_refused_without_echoing_it(field: str, fix: str) -> None:
+    error = rejected(**{field: "http://ops:s3cret@gpu01:8000"})
+    issue = issue_for(error, f"engine.{field}")
+    assert issue.value == "http://ops:***@gpu01:8000" and f"carries credentials; {fix}" in str(error)
+    assert "s3cret" not in str(error) and "s3cret" not in repr(error.issues)
 
 
 def test_inproc_has_no_base_url() -> None:

@@ -18,7 +18,6 @@ from examlops.svc import replica_routable, state_name
 from ._checks import Refused, few
 
 REPLICA_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,30}$")
-URL_RE = re.compile(r"^https?://[^\s/]+")
 #: States an operator sets on an endpoint; the replicas' states never override them.
 OPERATOR_STATES = (pb.ENDPOINT_STATE_STOPPED, pb.ENDPOINT_STATE_DISABLED)
 #: A pool is as good as its best replica.
@@ -34,10 +33,18 @@ class InvalidEndpoint(Refused):
 
 
 def checked_base_url(url: str, field: str) -> str:
-    """`url` without its trailing slash; InvalidEndpoint(field) unless it is an http(s) URL."""
-    if url and not URL_RE.match(url):
-        raise InvalidEndpoint(field, f"{field} {url!r} must be an http(s) URL like http://host:8000")
-    return url.rstrip("/")
+    """`url` without its trailing slash; InvalidEndpoint(field) unless it is a server address by the
+    engine block's own rule (http(s)://host[:port][/path]; no credentials: the key is a secret ref)."""
+    if not url:
+        return url
+    from examlops.engine import EngineBlockError, server_url
+
+    try:
+        return server_url(url, "use api_key_secret_ref")
+    except EngineBlockError as exc:
+        (issue,) = exc.issues
+        raise InvalidEndpoint(field, f"{field} {issue.value!r} {issue.message} "
+                                     f"(accepted: {', '.join(issue.accepted)})") from None
 
 
 def checked_replica_id(rid: str, field: str) -> str:

@@ -4,7 +4,10 @@ HTTP/1.1 handler that writes whole and chunked (server-sent events) answers, and
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import sys
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,8 +19,33 @@ def sse(chunks: Iterable[dict[str, Any]]) -> list[bytes]:
     return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
 
 
+class _Server(ThreadingHTTPServer):
+    """Keeps its open connections, so that closing the stub closes them too (a keep-alive connection
+    would otherwise go on being served by its handler thread after the listener is gone)."""
+
+    def __init__(self, address: tuple[str, int], handler: type[StubHandler]) -> None:
+        super().__init__(address, handler)
+        self.connections: set[socket.socket] = set()
+        self.lock = threading.Lock()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # a client that left: quiet
+            super().handle_error(request, client_address)
+
+
 class StubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.lock:
+            self.server.connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.lock:
+            self.server.connections.discard(self.connection)
+        super().finish()
 
     def log_message(self, *args: Any) -> None:
         pass  # a stub's access log would bury the test's own output
@@ -51,12 +79,12 @@ class StubHandler(BaseHTTPRequestHandler):
 class ThreadedStub:
     """A stub server listening on 127.0.0.1:`port` (0: a free port), serving from a daemon thread."""
 
-    httpd: ThreadingHTTPServer
+    httpd: _Server
     thread: threading.Thread
 
     def _listen(self, handler: type[StubHandler], port: int, *, in_thread: bool = True) -> None:
         """`in_thread=False`: only bind; the caller runs `self.httpd.serve_forever()` itself."""
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)  # daemon_threads: True
+        self.httpd = _Server(("127.0.0.1", port), handler)  # daemon_threads: True
         if in_thread:
             self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
             self.thread.start()
@@ -70,6 +98,12 @@ class ThreadedStub:
         return f"http://127.0.0.1:{self.port}"
 
     def close(self) -> None:
-        """Stop listening: new connections are refused."""
+        """Stop as a stopped server does: new connections are refused and open ones are closed
+        (a client holding one sees it end, as it would when the process goes away)."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        with self.httpd.lock:
+            open_now = list(self.httpd.connections)
+        for conn in open_now:
+            with contextlib.suppress(OSError):  # already gone
+                conn.shutdown(socket.SHUT_RDWR)

@@ -43,6 +43,7 @@ from ._schema import (
     EngineBlock,
     SpeculativeDecoding,
     routing_of,
+    server_url,
     task_of,
 )
 from ._sglang import render_sglang_command
@@ -102,6 +103,7 @@ __all__ = [
     "render_vllm_command",
     "require_vllm_python",
     "routing_of",
+    "server_url",
     "task_of",
     "validate_pack_dir",
     "vllm_speculative_config",

@@ -117,8 +117,9 @@ class SpeculativeDecoding(BaseModel):
         return self
 
 
-def _server_url(value: str, for_credentials: str) -> str:
-    """`value` as a server address: http(s)://host[:port][/path], without trailing slash."""
+def server_url(value: str, for_credentials: str) -> str:
+    """`value` as a server address: http(s)://host[:port][/path], without trailing slash; EngineBlockError
+    (field "") otherwise. A password in it is masked in the error; `for_credentials` says where it goes."""
     accepted = ("http(s)://host[:port][/path] without credentials, query or fragment",)
     try:
         url = urlsplit(value)
@@ -128,7 +129,8 @@ def _server_url(value: str, for_credentials: str) -> str:
     if url.scheme not in ("http", "https") or not url.hostname:
         raise EngineBlockError.single("", value, "is not an http(s) URL", accepted)
     if url.username is not None or url.password is not None:
-        raise EngineBlockError.single("", value, f"carries credentials; {for_credentials}", accepted)
+        shown = value if url.password is None else value.replace(f":{url.password}@", ":***@", 1)  # never echoed
+        raise EngineBlockError.single("", shown, f"carries credentials; {for_credentials}", accepted)
     if url.query or url.fragment or port == 0:
         raise EngineBlockError.single("", value, "is not a server address", accepted)
     return value.rstrip("/")
@@ -186,12 +188,12 @@ class EngineBlock(BaseModel):
     @field_validator("base_url")
     @classmethod
     def _base_url_is_an_endpoint(cls, value: str | None) -> str | None:
-        return None if value is None else _server_url(value, "use api_key_secret_ref")
+        return None if value is None else server_url(value, "use api_key_secret_ref")
 
     @field_validator("otlp_traces_endpoint")
     @classmethod
     def _otlp_endpoint_is_a_url(cls, value: str | None) -> str | None:
-        return None if value is None else _server_url(value, "put them in OTEL_EXPORTER_OTLP_HEADERS")
+        return None if value is None else server_url(value, "put them in OTEL_EXPORTER_OTLP_HEADERS")
 
     @field_validator("api_key_secret_ref")
     @classmethod
