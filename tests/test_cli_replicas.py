@@ -215,7 +215,6 @@ def test_help_explains_pools() -> None:
     assert "ready/total" in helptext("list") and "routing" in helptext("status")
 
 
-
 def test_an_address_with_a_password_is_refused_naming_the_fix_and_never_echoed(stack: Stack, stubs: list[str]) -> None:
     secret = "s3cret-pw"
     url = stubs[0].replace("http://", f"http://ops:{secret}@")

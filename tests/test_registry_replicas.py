@@ -200,6 +200,7 @@ def test_an_address_with_a_password_is_refused_on_every_way_in_without_echoing_i
     registry = stack.registry()
     stack.register("rep-creds", replicas=[reg.Replica(id="a", base_url="http://a:8000")])
     secret = "http://ops:s3cret@gpu01:8000"
+
     def add(url: str) -> Callable[[], Any]:
         return lambda: registry.AddReplica(reg.AddReplicaRequest(name="rep-creds", replica=reg.Replica(base_url=url)),
                                            timeout=5)

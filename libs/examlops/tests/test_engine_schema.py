@@ -244,6 +244,14 @@ def test_an_address_with_a_password_is_refused_without_echoing_it(field: str, fi
     assert "s3cret" not in str(error) and "s3cret" not in repr(error.issues)
 
 
+@pytest.mark.parametrize("value", ["http://ops:s3cret@gpu01:port", "ftp://ops:s3cret@gpu01",
+                                   "http://ops:s3cret@gpu01:8000/?q=1", "http://ops:s3cret@:8000"])
+def test_a_malformed_address_is_refused_without_echoing_its_password(value: str) -> None:
+    error = rejected(base_url=value)
+    assert issue_for(error, "engine.base_url").value == value.replace("s3cret", "***")
+    assert "s3cret" not in str(error)
+
+
 def test_inproc_has_no_base_url() -> None:
     error = rejected(engine="vllm-inproc", base_url="http://gpu01:8000")
     assert issue_for(error, "engine.base_url").accepted == ("null",)

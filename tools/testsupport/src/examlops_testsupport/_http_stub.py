@@ -28,6 +28,16 @@ class _Server(ThreadingHTTPServer):
         self.connections: set[socket.socket] = set()
         self.lock = threading.Lock()
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.lock:
+            self.connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.lock:
+            self.connections.discard(request)
+        super().shutdown_request(request)
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # a client that left: quiet
             super().handle_error(request, client_address)
@@ -35,17 +45,6 @@ class _Server(ThreadingHTTPServer):
 
 class StubHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: _Server
-
-    def setup(self) -> None:
-        super().setup()
-        with self.server.lock:
-            self.server.connections.add(self.connection)
-
-    def finish(self) -> None:
-        with self.server.lock:
-            self.server.connections.discard(self.connection)
-        super().finish()
 
     def log_message(self, *args: Any) -> None:
         pass  # a stub's access log would bury the test's own output

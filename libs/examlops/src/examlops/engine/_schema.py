@@ -10,6 +10,8 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from examlops.urlmask import redact
+
 from ._errors import EngineBlockError, EngineBlockIssue
 from ._flags import SGLANG_OWNED_FLAGS, VLLM_OWNED_FLAGS, extra_args_issues
 from ._multimodal import MultimodalPolicy
@@ -121,18 +123,18 @@ def server_url(value: str, for_credentials: str) -> str:
     """`value` as a server address: http(s)://host[:port][/path], without trailing slash; EngineBlockError
     (field "") otherwise. A password in it is masked in the error; `for_credentials` says where it goes."""
     accepted = ("http(s)://host[:port][/path] without credentials, query or fragment",)
+    shown = redact(value)  # what every refusal below shows: never a password
     try:
         url = urlsplit(value)
         port = url.port
     except ValueError as exc:
-        raise EngineBlockError.single("", value, f"is not a URL ({exc})", accepted) from None
+        raise EngineBlockError.single("", shown, f"is not a URL ({redact(str(exc))})", accepted) from None
     if url.scheme not in ("http", "https") or not url.hostname:
-        raise EngineBlockError.single("", value, "is not an http(s) URL", accepted)
+        raise EngineBlockError.single("", shown, "is not an http(s) URL", accepted)
     if url.username is not None or url.password is not None:
-        shown = value if url.password is None else value.replace(f":{url.password}@", ":***@", 1)  # never echoed
         raise EngineBlockError.single("", shown, f"carries credentials; {for_credentials}", accepted)
     if url.query or url.fragment or port == 0:
-        raise EngineBlockError.single("", value, "is not a server address", accepted)
+        raise EngineBlockError.single("", shown, "is not a server address", accepted)
     return value.rstrip("/")
 
 

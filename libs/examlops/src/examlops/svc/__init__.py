@@ -1,6 +1,8 @@
 """Helpers every service shares: settings, gRPC server and errors, caller authentication, the route table,
 tracing."""
 
+from examlops.urlmask import redact
+
 from ._auth import (
     MIN_TOKEN_CHARS,
     OPERATOR_PREFIX,
@@ -29,7 +31,7 @@ from ._grpc import (
 from ._guard import server_span
 from ._logging import configure_logging
 from ._metrics import metrics_dir, metrics_registry, multiprocess_enabled, multiprocess_metrics, serve_metrics
-from ._redact import redact, redact_setting
+from ._redact import redact_setting
 from ._redis import (
     REDIS_URL_VAR,
     RedisUnavailable,

@@ -5,16 +5,10 @@ from __future__ import annotations
 import logging
 import re
 
+from examlops.urlmask import redact
+
 #: A setting whose name ends so holds a secret (as does every SecretStr setting): never shown, only its length.
 SECRET_NAME = re.compile(r"(KEY|TOKEN|TOKENS|SECRET|PASSWORD|PASSWD|CREDENTIALS?)$", re.IGNORECASE)
-#: `scheme://user:password@` anywhere in a text (Redis, database and proxy URLs).
-_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^@\s/]+@")
-MASK = "***"
-
-
-def redact(text: str) -> str:
-    """`text` with the password of every URL in it masked: redis://:***@host:6379/0."""
-    return _URL_PASSWORD.sub(rf"\g<1>{MASK}@", text)
 
 
 def redact_setting(name: str, value: object, secret: bool = False) -> str:

@@ -27,7 +27,7 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.exceptions import CrossSlotTransactionError, RedisClusterException, RedisError
 
-from ._redact import redact
+from examlops.urlmask import redact
 
 REDIS_URL_VAR = "EXAMLOPS_REDIS_URL"
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}

@@ -22,7 +22,7 @@ from typing import Any
 
 from opentelemetry import propagate, trace
 
-from ._redact import redact
+from examlops.urlmask import redact
 
 log = logging.getLogger(__name__)
 
